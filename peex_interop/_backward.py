@@ -1,0 +1,161 @@
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._context import HookContext, Site, check_same_shape
+from ._engine import hooking, zeros_like_arrays
+from ._hooks import AbstractHook, IdentityHook, as_hook
+from ._logs import AbstractLog, NoneLog, as_log
+from ._wrapper import AbstractHookWrapper, selection_fields
+
+
+class BackwardHook(AbstractHookWrapper):
+    """Wrap an Equinox module to hook and log the cotangents flowing back through its
+    layers, at any depth.
+
+    !!! Example
+
+        ```python
+        @eqx.filter_grad
+        def grad_loss(hooked, x):
+            return jnp.mean(hooked(x))
+
+        hooked = px.BackwardHook(model, log_fn=px.IdentityLog()).init(x)
+        grads = grad_loss(hooked, x)
+        grads.model  # gradients of the model's parameters
+        grads.log    # {"linear1": cotangent of linear1's output, ...}
+        ```
+
+    As in peex, the log is an *input*: `.init(*args)` fills `log` with zero slots of
+    the right shapes, and the gradient with respect to each slot is
+    `log_fn(hook_fn(cotangent))`. Slots of layers inside `jax.vmap`/`jax.lax.scan`
+    bodies carry the mapped/scanned axis, so their cotangents are per example/step.
+    """
+
+    model: PyTree
+    hook_fn: AbstractHook
+    log_fn: AbstractLog
+    log: dict
+    pre_hook: bool = eqx.field(static=True)
+    uses_probes: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model: PyTree,
+        hook_fn: Any = IdentityHook(),
+        log_fn: Any = NoneLog(),
+        log: dict = {},
+        pre_hook: bool = False,
+        layer_names: Sequence[str] | None = None,
+        *,
+        where: Any = None,
+    ):
+        """**Arguments:**
+
+        - `model`: the `eqx.Module` to hook (it is not modified).
+        - `hook_fn`: applied to the cotangent of each selected layer's output (with
+            `pre_hook=True`: of its positional inputs); must keep shapes and dtypes.
+        - `log_fn`: applied to the hooked cotangent; the result is the gradient of the
+            layer's `log` slot.
+        - `log`: the slots; leave empty and call `.init(*args)`.
+        - `pre_hook`: hook the inputs' cotangents instead of the output's.
+        - `layer_names`, `where`: which layers, as for `px.ForwardHook`.
+        """
+        selection = selection_fields(model, "BackwardHook", layer_names, where)
+        self.model = model
+        self.hook_fn = as_hook(hook_fn)
+        self.log_fn = as_log(log_fn)
+        self.log = dict(log)
+        self.pre_hook = pre_hook
+        self.layer_names = selection.names
+        self.where = selection.where
+
+    def init(self, *args: Any, **kwargs: Any) -> "BackwardHook":
+        """Fill `log` with zero slots shaped for a call with these arguments.
+
+        **Arguments:**
+
+        - `*args`, `**kwargs`: example arguments (only shapes and dtypes matter).
+
+        **Returns:**
+
+        A copy of this wrapper whose `log` holds one zero slot per hooked call.
+        """
+
+        def templates(hooked, args, kwargs):
+            with hooking(hooked.model, hooked, discovering=True) as context:
+                hooked.model(*args, **kwargs)
+            return context.logs
+
+        shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
+        slots = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return BackwardHook(
+            self.model, self.hook_fn, self.log_fn, slots, self.pre_hook,
+            self.layer_names, where=self.where,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluate the wrapped model; the cotangent logs appear in gradients
+        with respect to `self.log`.
+
+        **Arguments:**
+
+        - `*args`, `**kwargs`: the model's own arguments.
+
+        **Returns:**
+
+        The model's output.
+        """
+        with hooking(self.model, self, probes=self.log):
+            return self.model(*args, **kwargs)
+
+    def run_site(self, context: HookContext, site: Site) -> Any:
+        if self.pre_hook:
+            args = self._attach(context, site, site.args)
+            return site.call(*args, **site.kwargs)
+        return self._attach(context, site, site.call(*site.args, **site.kwargs))
+
+    def _attach(self, context: HookContext, site: Site, value: Any) -> Any:
+        template = context.apply(site, "log_fn", self.log_fn, zeros_like_arrays(value))
+        if context.discovering:
+            context.record(site, site.key, template)
+            return value
+        slot = None if template is None else context.probe(site, template)
+        return _cotangent_probe((value, slot), self.hook_fn, self.log_fn, site.path)
+
+
+@eqx.filter_custom_vjp
+def _cotangent_probe(value_and_slot, hook_fn, log_fn, path):
+    del hook_fn, log_fn, path
+    value, _ = value_and_slot
+    return value
+
+
+@_cotangent_probe.def_fwd
+def _cotangent_probe_fwd(perturbed, value_and_slot, hook_fn, log_fn, path):
+    del perturbed, hook_fn, log_fn, path
+    value, _ = value_and_slot
+    return value, None
+
+
+@_cotangent_probe.def_bwd
+def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_fn, log_fn, path):
+    del residuals, perturbed
+    value, _ = value_and_slot
+    # Symbolic-zero cotangents arrive as None; hooks and logs see real zeros.
+    cotangent = jtu.tree_map(
+        lambda c, v: jnp.zeros_like(v) if c is None and eqx.is_inexact_array(v) else c,
+        cotangent, value, is_leaf=lambda x: x is None,
+    )
+    try:
+        edited = hook_fn(cotangent)
+        check_same_shape(path, "hook_fn (backward)", cotangent, edited)
+        logged = log_fn(edited)
+    except Exception as error:
+        error.add_note(f"peex_interop: raised by the BackwardHook at layer {path!r}")
+        raise
+    return edited, logged

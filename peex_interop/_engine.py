@@ -1,0 +1,44 @@
+"""The engine: one hooked call = one context + the patches that feed it call sites."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _patching
+from ._context import HookContext, Policy, entered
+from ._equinox import class_patches
+from ._transforms import transform_patches
+
+
+@contextlib.contextmanager
+def hooking(
+    root: Any, policy: Policy, *, probes: dict | None = None, discovering: bool = False
+) -> Iterator[HookContext]:
+    """Activate `policy` on the layers of `root` in this thread for the block.
+
+    Class and transform patches are installed (or shared with overlapping calls) and
+    undone on every exit path; the context is visible to this thread only.
+    """
+    context = HookContext(root, policy, probes, discovering)
+    patches = class_patches(context.module_types) + transform_patches()
+    with _patching.patched(patches), entered(context):
+        yield context
+
+
+def check_model(model: Any, wrapper: str) -> None:
+    if isinstance(model, eqx.Module):
+        return
+    raise TypeError(
+        f"{wrapper} wraps an equinox.Module, got {type(model).__module__}."
+        f"{type(model).__qualname__}. Hint: wrap a plain function as "
+        "`eqx.nn.Lambda(fn)`; a Haiku or Flax NNX model must first be converted into "
+        "an eqx.Module."
+    )
+
+
+def zeros_like_arrays(tree: Any) -> Any:
+    return jtu.tree_map(lambda x: jnp.zeros_like(x) if eqx.is_array(x) else x, tree)

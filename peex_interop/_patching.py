@@ -1,0 +1,75 @@
+"""Scoped, reference-counted attribute patching.
+
+Patches are global (classes and the `jax` namespace are shared by all threads), so every
+replacement installed here must fall through to the original when the calling thread has
+no active hooking context; that is what makes concurrent calls invisible to each other.
+The reference count keeps a patch in place until the last overlapping call has left.
+"""
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+_lock = threading.Lock()
+# (id(owner), name) -> [owner, had_own_attribute, original_value, count]
+_installed: dict[tuple[int, str], list] = {}
+
+ORIGINAL = "__peex_interop_original__"
+
+
+def unwrap(value: Any) -> Any:
+    """The original behind one of our replacements (replacements chain through this)."""
+    while hasattr(value, ORIGINAL):
+        value = getattr(value, ORIGINAL)
+    return value
+
+
+def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    with _lock:
+        entry = _installed.get((id(owner), name))
+        if entry is not None:
+            entry[3] += 1
+            return
+        had_own = name in vars(owner)
+        original = vars(owner)[name] if had_own else None
+        replacement = make(unwrap(getattr(owner, name)))
+        setattr(owner, name, replacement)
+        _installed[(id(owner), name)] = [owner, had_own, original, 1]
+
+
+def _uninstall(owner: Any, name: str) -> None:
+    with _lock:
+        entry = _installed[(id(owner), name)]
+        entry[3] -= 1
+        if entry[3]:
+            return
+        del _installed[(id(owner), name)]
+        if entry[1]:
+            setattr(owner, name, entry[2])
+        else:
+            # An inherited attribute is restored by removing ours, not by copying the
+            # parent's value down (which would freeze it against later changes).
+            delattr(owner, name)
+
+
+@contextlib.contextmanager
+def patched(
+    targets: Iterable[tuple[Any, str, Callable[[Any], Any]]],
+) -> Iterator[None]:
+    """Install `make(original)` as `owner.name` for each target for the duration of the
+    block, undoing every installed patch on every exit path."""
+    done = []
+    try:
+        for owner, name, make in targets:
+            _install(owner, name, make)
+            done.append((owner, name))
+        yield
+    finally:
+        for owner, name in reversed(done):
+            _uninstall(owner, name)
+
+
+def is_patched(owner: Any, name: str) -> bool:
+    with _lock:
+        return (id(owner), name) in _installed

@@ -1,0 +1,106 @@
+"""Which call sites a hook wrapper acts on: `layer_names` (peex) and `where=`."""
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+from ._errors import HookError
+
+
+Predicate = Callable[[str, Any], bool]
+Criterion = Union[str, type, Predicate]
+
+
+def glob_to_regex(pattern: str) -> re.Pattern:
+    """`*` is one path segment, `**` any number of segments, `?` one character."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**.", i):
+            out.append(r"(?:[^.]+\.)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(r".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append(r"[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append(r"[^.]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _matches(criterion: Criterion, path: str, module: Any) -> bool:
+    if isinstance(criterion, str):
+        return glob_to_regex(criterion).match(path) is not None
+    if isinstance(criterion, type):
+        return isinstance(module, criterion)
+    return bool(criterion(path, module))
+
+
+def _as_tuple(value: Any) -> tuple | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, type)) or callable(value):
+        return (value,)
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """A call site is selected when its path is one of `names` (if given) and it matches
+    any criterion of `where` (if given). The root model itself is never selected."""
+
+    names: tuple[str, ...] | None = None
+    where: tuple[Criterion, ...] | None = None
+
+    @classmethod
+    def make(cls, layer_names: Sequence[str] | None, where: Any) -> "Selection":
+        return cls(_as_tuple(layer_names), _as_tuple(where))
+
+    def selects(self, path: str, module: Any) -> bool:
+        if path == "":
+            return False
+        if self.names is not None and path not in self.names:
+            return False
+        if self.where is not None:
+            return any(_matches(c, path, module) for c in self.where)
+        return True
+
+    def validate(self, modules: dict[str, Any], model_name: str) -> None:
+        """Every name and pattern must match some layer: a typo must not silently log
+        nothing. Predicates cannot be checked ahead of the call."""
+        paths = [path for path in modules if path]
+        for name in self.names or ():
+            if name not in modules or not name:
+                raise HookError(_no_match("layer name", name, paths, model_name))
+        for criterion in self.where or ():
+            if isinstance(criterion, str):
+                if not any(_matches(criterion, p, modules[p]) for p in paths):
+                    raise HookError(_no_match("where pattern", criterion, paths, model_name))
+            elif isinstance(criterion, type):
+                if not any(isinstance(modules[p], criterion) for p in paths):
+                    kinds = sorted({type(m).__name__ for m in modules.values()})
+                    raise HookError(
+                        f"where type {criterion.__name__} matches no layer of "
+                        f"{model_name}; its layers are of types: {', '.join(kinds)}"
+                    )
+            elif not callable(criterion):
+                raise HookError(
+                    "where= takes glob patterns (str), module types, predicates "
+                    f"(path, module) -> bool, or a sequence of those; got {criterion!r}"
+                )
+
+
+def _no_match(what: str, name: str, paths: list[str], model_name: str) -> str:
+    close = difflib.get_close_matches(name, paths, n=5, cutoff=0.4) or paths[:10]
+    return (
+        f"{what} {name!r} matches no layer of {model_name}; "
+        f"closest available paths: {', '.join(close)}"
+    )

@@ -1,0 +1,32 @@
+"""What the forward and backward hook wrappers share: selection and validation."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+
+from ._engine import check_model
+from ._paths import AbstractTransparent, module_paths
+from ._selection import Selection
+
+
+class AbstractHookWrapper(AbstractTransparent):
+    """Base of `ForwardHook` and `BackwardHook`: a model plus which layers to hook."""
+
+    layer_names: tuple[str, ...] | None = eqx.field(static=True)
+    where: tuple[Any, ...] | None = eqx.field(static=True)
+
+    @property
+    def selection(self) -> Selection:
+        return Selection(self.layer_names, self.where)
+
+
+def selection_fields(
+    model: Any, wrapper: str, layer_names: Sequence[str] | None, where: Any
+) -> Selection:
+    """Check the model and the selection once, at construction, and normalise both to
+    hashable tuples (they are static fields)."""
+    check_model(model, wrapper)
+    selection = Selection.make(layer_names, where)
+    selection.validate(module_paths(model), type(model).__name__)
+    return selection

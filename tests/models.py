@@ -1,0 +1,105 @@
+"""Small Equinox models shared by the tests, examples and benchmarks."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+class MLP(eqx.Module):
+    """The peex README model."""
+
+    linear1: eqx.nn.Linear
+    linear2: eqx.nn.Linear
+
+    def __init__(self, in_features, width, out_features, *, key):
+        key1, key2 = jax.random.split(key, 2)
+        self.linear1 = eqx.nn.Linear(in_features, width, key=key1)
+        self.linear2 = eqx.nn.Linear(width, out_features, key=key2)
+
+    def __call__(self, x):
+        return self.linear2(jax.nn.relu(self.linear1(x)))
+
+
+class Block(eqx.Module):
+    """Pre-norm transformer block on a (seq, dim) input."""
+
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+
+    def __init__(self, dim, heads, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm1 = eqx.nn.LayerNorm(dim)
+        self.attn = eqx.nn.MultiheadAttention(heads, dim, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(dim)
+        self.mlp = eqx.nn.MLP(dim, dim, 2 * dim, depth=1, key=k2)
+
+    def __call__(self, x):
+        h = jax.vmap(self.norm1)(x)
+        x = x + self.attn(h, h, h)
+        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+
+class Transformer(eqx.Module):
+    """Embedding, a scanned stack of blocks built with `eqx.filter_vmap`, and a head."""
+
+    embed: eqx.nn.Embedding
+    blocks: Block
+    head: eqx.nn.Linear
+    num_blocks: int = eqx.field(static=True)
+
+    def __init__(self, vocab, dim, heads, num_blocks, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(vocab, dim, key=k1)
+        keys = jax.random.split(k2, num_blocks)
+        self.blocks = eqx.filter_vmap(lambda k: Block(dim, heads, key=k))(keys)
+        self.head = eqx.nn.Linear(dim, vocab, key=k3)
+        self.num_blocks = num_blocks
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(x, block_arrays):
+            block = eqx.combine(block_arrays, static)
+            return block(x), None
+
+        x, _ = jax.lax.scan(step, x, dynamic)
+        return jax.vmap(self.head)(x)
+
+
+class Deep(eqx.Module):
+    """Layers in a list, a dict, a Sequential and behind a helper method."""
+
+    layers: list
+    by_name: dict
+    seq: eqx.nn.Sequential
+    out: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        keys = jax.random.split(key, 6)
+        self.layers = [eqx.nn.Linear(3, 3, key=keys[0]), eqx.nn.Linear(3, 3, key=keys[1])]
+        self.by_name = {"a": eqx.nn.Linear(3, 3, key=keys[2])}
+        self.seq = eqx.nn.Sequential(
+            [eqx.nn.Linear(3, 4, key=keys[3]), eqx.nn.Lambda(jax.nn.tanh), eqx.nn.Linear(4, 3, key=keys[4])]
+        )
+        self.out = eqx.nn.Linear(3, 2, key=keys[5])
+
+    def helper(self, x):
+        return self.by_name["a"](x)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        x = self.helper(x)
+        x = self.seq(x)
+        return self.out(x)
+
+
+def transformer(key=0, num_blocks=3):
+    return Transformer(vocab=11, dim=8, heads=2, num_blocks=num_blocks, key=jax.random.key(key))
+
+
+def tokens(key=1, seq=5):
+    return jax.random.randint(jax.random.key(key), (seq,), 0, 11)
