@@ -1,0 +1,98 @@
+"""peex 0.0.3 call conventions and numbers, checked against the seed and against peex."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peex
+import pytest
+
+import peex_interop as px
+from models import MLP
+
+
+def seed_model():
+    mlp_key, x_key = jax.random.split(jax.random.key(0), 2)
+    return MLP(1, 2, 1, key=mlp_key), jax.random.normal(x_key, shape=(1,))
+
+
+def forward(hooked, x):
+    return hooked(x)
+
+
+@eqx.filter_value_and_grad
+def grad_loss(hooked, x):
+    return jnp.mean(hooked(x))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_seed_readme_numbers(jit):
+    mlp, x = seed_model()
+    run = eqx.filter_jit(forward) if jit else forward
+    grad = eqx.filter_jit(grad_loss) if jit else grad_loss
+    tol = dict(rtol=0, atol=1e-6) if jit else dict(rtol=0, atol=0)
+
+    def expect(actual, printed):
+        np.testing.assert_allclose(actual, np.asarray(printed, np.float32), **tol)
+
+    output, log = run(px.ForwardHook(mlp, hook_fn=px.IdentityHook(), log_fn=px.IdentityLog()), x)
+    expect(output, [0.23334768])
+    expect(log["linear1"], [1.2571917, 1.2331474])
+    expect(log["linear2"], [0.23334768])
+
+    hooked = px.BackwardHook(mlp, hook_fn=px.IdentityHook(), log_fn=px.IdentityLog()).init(x)
+    _, grads = grad(hooked, x)
+    expect(grads.log["linear1"], [-0.68400913, 0.4777369])
+    expect(grads.log["linear2"], [1.0])
+    assert isinstance(grads.model, MLP)
+
+
+class Double(px.AbstractHook):
+    def __call__(self, args):
+        return jax.tree.map(lambda a: 2 * a, args)
+
+
+CONFIGS = [
+    dict(log_fn="MeanLog"),
+    dict(log_fn="MeanStdLog"),
+    dict(log_fn="IdentityLog", hook_fn=Double()),
+    dict(log_fn="IdentityLog", pre_hook=True),
+    dict(log_fn="IdentityLog", pre_hook=True, hook_fn=Double(), layer_names=["linear2"]),
+    dict(log_fn="NoneLog", hook_fn=Double()),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_forward_matches_peex(config):
+    mlp = MLP(3, 5, 2, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (3,))
+    ours_cfg = {**config, "log_fn": getattr(px, config["log_fn"])()}
+    # peex exports no NoneLog; its default log_fn is one.
+    theirs_cfg = {**config, "log_fn": getattr(peex, config["log_fn"], peex.IdentityLog)()}
+    if config["log_fn"] == "NoneLog":
+        del theirs_cfg["log_fn"]
+    out, log = px.ForwardHook(mlp, **ours_cfg)(x)
+    ref_out, ref_log = peex.ForwardHook(mlp, **theirs_cfg)(x)
+    np.testing.assert_array_equal(out, ref_out)
+    assert jax.tree.structure(log) == jax.tree.structure(ref_log)
+    jax.tree.map(np.testing.assert_array_equal, log, ref_log)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:3] + CONFIGS[4:5])
+def test_backward_matches_peex(config):
+    mlp = MLP(3, 5, 2, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (3,))
+    ours_cfg = {**config, "log_fn": getattr(px, config["log_fn"])()}
+    theirs_cfg = {**config, "log_fn": getattr(peex, config["log_fn"])()}
+
+    @eqx.filter_grad
+    def loss(hooked, x):
+        return jnp.sum(jnp.sin(hooked(x)))
+
+    ours = loss(px.BackwardHook(mlp, **ours_cfg).init(x), x)
+    theirs = loss(peex.BackwardHook(mlp, **theirs_cfg).init(x), x)
+    jax.tree.map(np.testing.assert_allclose, ours.log, theirs.log)
+    jax.tree.map(
+        np.testing.assert_allclose, eqx.filter(ours.model, eqx.is_array),
+        eqx.filter(theirs.model, eqx.is_array),
+    )
