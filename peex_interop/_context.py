@@ -195,9 +195,8 @@ class HookContext:
         return probe
 
     # -- transformed bodies -------------------------------------------------------------
-    def enter_body(self, outer: Any, inner: Any, probes: dict | None) -> None:
-        parent = self.scopes[-1]
-        scope = _Scope(parent.probes if probes is None else probes, _trace_state())
+    def enter_body(self, outer: Any, inner: Any, probes: dict) -> None:
+        scope = _Scope(probes, _trace_state())
         outer_leaves, inner_leaves = jtu.tree_leaves(outer), jtu.tree_leaves(inner)
         if len(outer_leaves) == len(inner_leaves):
             for outer_leaf, inner_leaf in zip(outer_leaves, inner_leaves):

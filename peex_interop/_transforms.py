@@ -9,7 +9,7 @@ vmap/scan body are passed in as mapped inputs, so cotangents are per example/ste
 than summed. Everything else is left to `HookContext._check_trace`, which refuses loudly.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,65 +17,83 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _patching
+from ._errors import HookError
 
 
-def _run_body(contexts, start_counts, fn, outer, inner, probes, args, kwargs):
-    # Counts restart from the body's start each time JAX traces it, so a retrace
-    # does not shift `path@n` keys.
-    for context, counts, probe in zip(contexts, start_counts, probes):
-        context.counts = dict(counts)
-        context.enter_body(outer, inner, probe)
-    try:
-        out = fn(*args, **kwargs)
-    finally:
-        logs = [context.exit_body() for context in contexts]
-    return out, logs
+class _Body:
+    """One application of a threaded transform: runs `fn` as the transform's body in a
+    fresh scope of every context active in this thread, and returns the scopes' logs.
 
+    JAX caches traced functions, so a body may outlive its transform call: `release`
+    drops every reference to contexts and outer values (tracers) when the call ends.
+    """
 
-def _finish(contexts, end_counts, logs) -> None:
-    for context, counts, log in zip(contexts, end_counts, logs):
-        context.counts = counts
-        context.merge(log)
+    def __init__(self, fn: Callable, outer: Any):
+        self.fn = fn
+        self.outer = outer
+        self.contexts = list(_context.active())
+        # Counts restart from here each time JAX traces the body, so a retrace does
+        # not shift `path@n` keys.
+        self.start = [dict(c.counts) for c in self.contexts]
+        self.end = self.start
 
+    def __call__(self, probes: list, inner: Any, args: tuple, kwargs: dict):
+        for context, counts, probe in zip(self.contexts, self.start, probes):
+            context.counts = dict(counts)
+            context.enter_body(self.outer, inner, probe)
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            logs = [context.exit_body() for context in self.contexts]
+        self.end = [dict(c.counts) for c in self.contexts]
+        return out, logs
 
-def _slot_probes(contexts, discovered_logs) -> list[dict | None]:
-    """Per context: the backward slots of the layers that run inside the body."""
-    probes = []
-    for context, found in zip(contexts, discovered_logs):
-        if not context.needs_probes:
-            probes.append({})
-            continue
-        slots = context.scopes[-1].probes
-        missing = sorted(set(found) - set(slots))
-        if missing:
-            raise _context.HookError(
-                f"BackwardHook has no cotangent slot for layers {missing} (inside a "
-                "vmap/scan body): call `hooked = hooked.init(*args)` with inputs of the "
-                "shapes you call it with"
-            )
-        probes.append({key: slots[key] for key in found})
-    return probes
+    def no_probes(self) -> list:
+        return [{} for _ in self.contexts]
 
+    def enclosing_probes(self) -> list:
+        # Passed into cond/checkpoint bodies as inputs: a body closing over them
+        # would leave them in JAX's trace caches after the call.
+        return [context.scopes[-1].probes for context in self.contexts]
 
-class _discovering:
-    """Backward contexts record their slot templates instead of using slots, so one
-    abstract run of a body tells which slots it needs."""
-
-    def __init__(self, contexts):
-        self.contexts = contexts
-
-    def __enter__(self):
-        self.saved = [(c.discovering, dict(c.counts)) for c in self.contexts]
+    def probes(self, run: Callable[[list], Any], logs_of: Callable[[Any], list]) -> list:
+        """Per context, the backward slots of the layers that run inside the body,
+        found by one abstract run in which backward contexts record slot templates."""
+        if not any(context.needs_probes for context in self.contexts):
+            return self.no_probes()
+        saved = [(c.discovering, dict(c.counts)) for c in self.contexts]
         for context in self.contexts:
             context.discovering = True
+        try:
+            found = logs_of(jax.eval_shape(run, self.no_probes()))
+        finally:
+            for context, (flag, counts) in zip(self.contexts, saved):
+                context.discovering, context.counts = flag, counts
+        probes = []
+        for context, keys in zip(self.contexts, found):
+            if not context.needs_probes:
+                probes.append({})
+                continue
+            slots = context.scopes[-1].probes
+            missing = sorted(set(keys) - set(slots))
+            if missing:
+                raise HookError(
+                    f"BackwardHook has no cotangent slot for layers {missing} (inside a "
+                    "vmap/scan body): call `hooked = hooked.init(*args)` with inputs of "
+                    "the shapes you call it with"
+                )
+            probes.append({key: slots[key] for key in keys})
+        return probes
 
-    def __exit__(self, *exc):
-        for context, (flag, counts) in zip(self.contexts, self.saved):
-            context.discovering, context.counts = flag, counts
+    def finish(self, logs: list, end: list | None = None) -> None:
+        for context, counts, log in zip(self.contexts, end or self.end, logs):
+            context.counts = counts
+            context.merge(log)
+        self.release()
 
-
-def _needs_discovery(contexts) -> bool:
-    return any(context.needs_probes for context in contexts)
+    def release(self) -> None:
+        self.fn = self.outer = None
+        self.contexts = []
 
 
 def _with_leading_axis(in_axes: Any, num_args: int) -> Any:
@@ -87,33 +105,21 @@ def _with_leading_axis(in_axes: Any, num_args: int) -> Any:
 def threaded_vmap(real_vmap: Callable) -> Callable:
     def vmap(fun, in_axes=0, out_axes=0, *rest, **options):
         def mapped(*args, **kwargs):
-            contexts = list(_context.active())
-            if not contexts:
+            if not _context.active():
                 return real_vmap(fun, in_axes, out_axes, *rest, **options)(*args, **kwargs)
-            start = [dict(c.counts) for c in contexts]
-            end = []
-
-            def body(probes, *inner_args, **inner_kwargs):
-                out, logs = _run_body(
-                    contexts, start, fun, (args, kwargs), (inner_args, inner_kwargs),
-                    probes, inner_args, inner_kwargs,
-                )
-                end[:] = [dict(c.counts) for c in contexts]
-                return out, logs
+            body = _Body(fun, (args, kwargs))
 
             def run(probes):
+                def mapped_body(probes, *inner_args, **inner_kwargs):
+                    return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
+
                 axes = _with_leading_axis(in_axes, len(args))
-                return real_vmap(body, axes, (out_axes, 0), *rest, **options)(
+                return real_vmap(mapped_body, axes, (out_axes, 0), *rest, **options)(
                     probes, *args, **kwargs
                 )
 
-            probes = [{} for _ in contexts]
-            if _needs_discovery(contexts):
-                with _discovering(contexts):
-                    _, found = jax.eval_shape(run, probes)
-                probes = _slot_probes(contexts, found)
-            out, logs = run(probes)
-            _finish(contexts, end, logs)
+            out, logs = run(body.probes(run, lambda shapes: shapes[1]))
+            body.finish(logs)
             return out
 
         return mapped
@@ -123,30 +129,20 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
 
 def threaded_scan(real_scan: Callable) -> Callable:
     def scan(f, init, xs=None, *rest, **options):
-        contexts = list(_context.active())
-        if not contexts:
+        if not _context.active():
             return real_scan(f, init, xs, *rest, **options)
-        start = [dict(c.counts) for c in contexts]
-        end = []
-
-        def body(carry, x_and_probes):
-            x, probes = x_and_probes
-            (carry, y), logs = _run_body(
-                contexts, start, f, (init, xs), (carry, x), probes, (carry, x), {}
-            )
-            end[:] = [dict(c.counts) for c in contexts]
-            return carry, (y, logs)
+        body = _Body(f, (init, xs))
 
         def run(probes):
-            return real_scan(body, init, (xs, probes), *rest, **options)
+            def scan_body(carry, x_and_probes):
+                x, step_probes = x_and_probes
+                (carry, y), logs = body(step_probes, (carry, x), (carry, x), {})
+                return carry, (y, logs)
 
-        probes = [{} for _ in contexts]
-        if _needs_discovery(contexts):
-            with _discovering(contexts):
-                _, (_, found) = jax.eval_shape(run, probes)
-            probes = _slot_probes(contexts, found)
-        carry, (ys, logs) = run(probes)
-        _finish(contexts, end, logs)
+            return real_scan(scan_body, init, (xs, probes), *rest, **options)
+
+        carry, (ys, logs) = run(body.probes(run, lambda shapes: shapes[1][1]))
+        body.finish(logs)
         return carry, ys
 
     return scan
@@ -158,18 +154,13 @@ def _zeros(shapes: Any) -> Any:
 
 def threaded_cond(real_cond: Callable) -> Callable:
     def cond(pred, true_fun, false_fun, *operands, **options):
-        contexts = list(_context.active())
-        if not contexts or not (callable(true_fun) and callable(false_fun)):
+        if not _context.active() or not (callable(true_fun) and callable(false_fun)):
             return real_cond(pred, true_fun, false_fun, *operands, **options)
-        start = [dict(c.counts) for c in contexts]
-        branch_ends: dict[int, list] = {}
+        bodies = [_Body(fn, operands) for fn in (true_fun, false_fun)]
 
-        def branch(index: int, fn: Callable, union: Sequence[dict] | None):
-            def run(*inner):
-                out, logs = _run_body(
-                    contexts, start, fn, operands, inner, [None] * len(contexts), inner, {}
-                )
-                branch_ends[index] = [dict(c.counts) for c in contexts]
+        def branch(body: _Body, union: list | None) -> Callable:
+            def run(probes, *inner):
+                out, logs = body(probes, inner, inner, {})
                 if union is not None:
                     # Both branches must return the same structure: a layer that only
                     # one branch calls logs zeros when the other branch is taken.
@@ -181,45 +172,47 @@ def threaded_cond(real_cond: Callable) -> Callable:
 
             return run
 
-        functions = (true_fun, false_fun)
-        shapes = [
-            jax.eval_shape(branch(i, fn, None), *operands)[1]
-            for i, fn in enumerate(functions)
-        ]
-        union = [{**a, **b} for a, b in zip(*shapes)]
+        probes = bodies[0].enclosing_probes()
+        true_logs, false_logs = (
+            jax.eval_shape(branch(body, None), probes, *operands)[1] for body in bodies
+        )
+        union = [{**a, **b} for a, b in zip(true_logs, false_logs)]
         out, logs = real_cond(
-            pred, *(branch(i, fn, union) for i, fn in enumerate(functions)),
-            *operands, **options,
+            pred, *(branch(body, union) for body in bodies), probes, *operands, **options
         )
         end = [
             {path: max(a.get(path, 0), b.get(path, 0)) for path in {*a, *b}}
-            for a, b in zip(branch_ends[0], branch_ends[1])
+            for a, b in zip(bodies[0].end, bodies[1].end)
         ]
-        _finish(contexts, end, logs)
+        bodies[0].finish(logs, end)
+        bodies[1].release()
         return out
 
     return cond
 
 
+def _shift_static(options: dict) -> dict:
+    """The probes argument goes first: static argument numbers move by one."""
+    numbers = options.get("static_argnums", ())
+    if isinstance(numbers, int):
+        numbers = (numbers,)
+    return {**options, "static_argnums": tuple(n + 1 for n in numbers)}
+
+
 def threaded_checkpoint(real_checkpoint: Callable) -> Callable:
     def checkpoint(fun, *rest, **options):
         def checkpointed(*args, **kwargs):
-            contexts = list(_context.active())
-            if not contexts:
+            if not _context.active():
                 return real_checkpoint(fun, *rest, **options)(*args, **kwargs)
-            start = [dict(c.counts) for c in contexts]
-            end = []
+            body = _Body(fun, (args, kwargs))
 
-            def body(*inner_args, **inner_kwargs):
-                out, logs = _run_body(
-                    contexts, start, fun, (args, kwargs), (inner_args, inner_kwargs),
-                    [None] * len(contexts), inner_args, inner_kwargs,
-                )
-                end[:] = [dict(c.counts) for c in contexts]
-                return out, logs
+            def checkpointed_body(probes, *inner_args, **inner_kwargs):
+                return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
 
-            out, logs = real_checkpoint(body, *rest, **options)(*args, **kwargs)
-            _finish(contexts, end, logs)
+            out, logs = real_checkpoint(checkpointed_body, *rest, **_shift_static(options))(
+                body.enclosing_probes(), *args, **kwargs
+            )
+            body.finish(logs)
             return out
 
         return checkpointed

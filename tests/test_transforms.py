@@ -1,0 +1,169 @@
+"""The transform matrix, around and inside hooked models, under `jax.checking_leaks()`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import peex_interop as px
+from models import Deep, transformer, tokens
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def hooked_call(hooked, x):
+    return hooked(x)
+
+
+# jax.jit/checkpoint/cond take JAX types only: the hooked model (it holds functions,
+# e.g. eqx.nn.Lambda) is closed over there, and passed as an argument to filter_jit.
+AROUND = {
+    "eager": lambda h, x: h(x),
+    "jit": lambda h, x: jax.jit(lambda x: h(x))(x),
+    "filter_jit": lambda h, x: eqx.filter_jit(hooked_call)(h, x),
+    "remat": lambda h, x: jax.checkpoint(lambda x: h(x))(x),
+    "cond": lambda h, x: jax.lax.cond(
+        True, lambda x: h(x), lambda x: jax.tree.map(jnp.zeros_like, h(x)), x
+    ),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(AROUND))
+@pytest.mark.parametrize("make", ["deep", "transformer"])
+def test_around_gives_eager_values(transform, make):
+    model, x = (Deep(key=jax.random.key(0)), jnp.arange(3.0)) if make == "deep" else (transformer(), tokens())
+    hooked = px.ForwardHook(model, log_fn=px.IdentityLog())
+    ref_out, ref_log = hooked(x)
+    with jax.checking_leaks():
+        out, log = AROUND[transform](hooked, x)
+    close(out, model(x))
+    assert set(log) == set(ref_log)
+    jax.tree.map(close, log, ref_log)
+
+
+@pytest.mark.parametrize("make", ["deep", "transformer"])
+def test_vmap_around_stacks_per_example(make):
+    if make == "deep":
+        model, xs = Deep(key=jax.random.key(0)), jax.random.normal(jax.random.key(1), (4, 3))
+    else:
+        model, xs = transformer(), jnp.stack([tokens(k) for k in range(4)])
+    hooked = px.ForwardHook(model, log_fn=px.IdentityLog())
+    with jax.checking_leaks():
+        out, log = jax.vmap(hooked)(xs)
+        out_f, log_f = eqx.filter_vmap(hooked)(xs)
+    for i in range(4):
+        ref_out, ref_log = hooked(xs[i])
+        close(out[i], ref_out)
+        jax.tree.map(lambda a, b: close(a[i], b), log, ref_log)
+        jax.tree.map(lambda a, b: close(a[i], b), log_f, ref_log)
+
+
+def test_scan_around_stacks_per_step():
+    model = Deep(key=jax.random.key(0))
+    hooked = px.ForwardHook(model, log_fn=px.MeanLog())
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+    with jax.checking_leaks():
+        _, (outs, logs) = jax.lax.scan(lambda c, x: (c, hooked(x)), None, xs)
+    for i in range(5):
+        ref_out, ref_log = hooked(xs[i])
+        close(outs[i], ref_out)
+        jax.tree.map(lambda a, b: close(a[i], b), logs, ref_log)
+
+
+def test_grad_around_with_logs_as_aux():
+    model = transformer()
+    t = tokens()
+    hooked = px.ForwardHook(model, log_fn=px.MeanStdLog())
+
+    def loss(h):
+        out, log = h(t)
+        return jnp.sum(out**2), log
+
+    with jax.checking_leaks():
+        grads, log = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))(hooked)
+    ref = eqx.filter_grad(lambda m: jnp.sum(m(t) ** 2))(model)
+    jax.tree.map(close, eqx.filter(grads.model, eqx.is_array), eqx.filter(ref, eqx.is_array))
+    jax.tree.map(close, log, hooked(t)[1])
+
+
+class Inside(eqx.Module):
+    """Layers under transforms applied inside the model's own code."""
+
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+    c: eqx.nn.Linear
+    stack: eqx.nn.Linear  # weights with a leading axis of 3
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        self.a = eqx.nn.Linear(3, 3, key=keys[0])
+        self.b = eqx.nn.Linear(3, 3, key=keys[1])
+        self.c = eqx.nn.Linear(3, 3, key=keys[2])
+        self.stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(jax.random.split(keys[3], 3))
+
+    def __call__(self, x):
+        # Layers are passed in as operands: under jax.checking_leaks, JAX itself
+        # (without hooks) rejects `eqx.filter_checkpoint(module)` and a module used as
+        # a cond branch (measured on jax 0.12 / equinox 0.13.8).
+        x = jax.checkpoint(lambda a, x: jnp.tanh(a(x)))(self.a, x)
+        x = eqx.filter_checkpoint(lambda b, x: b(x))(self.b, x)
+        x = jax.lax.cond(jnp.sum(x) > 0, lambda c, x: c(x), lambda c, x: -x, self.c, x)
+        # A stack of layers run in parallel on one input with eqx.filter_vmap.
+        ys = eqx.filter_vmap(lambda layer, x: layer(x), in_axes=(eqx.if_array(0), None))(self.stack, x)
+        return jnp.sum(ys, axis=0)
+
+
+def test_transforms_inside_the_model():
+    model = Inside(jax.random.key(0))
+    x = jnp.array([0.5, 0.2, -0.1])
+    with jax.checking_leaks():
+        eqx.filter_jit(hooked_call)(model, x)  # the model alone is leak-free
+        out, log = eqx.filter_jit(hooked_call)(px.ForwardHook(model, log_fn=px.IdentityLog()), x)
+        eager_out, eager_log = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    close(out, model(x))
+    close(eager_out, model(x))
+    assert set(log) == {"a", "b", "c", "stack"}
+    ha = model.a(x)
+    hb = model.b(jnp.tanh(ha))
+    close(log["a"], ha)
+    close(log["b"], hb)
+    taken = bool(jnp.sum(hb) > 0)
+    close(log["c"], model.c(hb) if taken else jnp.zeros(3))
+    hc = model.c(hb) if taken else -hb
+    stack_ref = jnp.stack([(model.stack.weight[i] @ hc + model.stack.bias[i]) for i in range(3)])
+    close(log["stack"], stack_ref)
+    jax.tree.map(close, eager_log, log)
+
+
+def test_backward_through_transforms_inside_the_model():
+    model = Inside(jax.random.key(0))
+    x = jnp.array([0.5, 0.2, -0.1])
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog()).init(x)
+    with jax.checking_leaks():
+        grads = eqx.filter_jit(eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2)))(hooked, x)
+    assert grads.log["stack"].shape == (3, 3)
+    hb = model.b(jnp.tanh(model.a(x)))
+    hc = model.c(hb) if bool(jnp.sum(hb) > 0) else -hb
+    ys = jnp.stack([(model.stack.weight[i] @ hc + model.stack.bias[i]) for i in range(3)])
+    close(grads.log["stack"], jax.grad(lambda ys: jnp.sum(jnp.sum(ys, 0) ** 2))(ys))
+
+
+class Untreaded(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, xs):
+        return jax.lax.map(self.lin, xs)
+
+
+def test_untreaded_transform_raises_naming_the_layer():
+    model = Untreaded(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+    xs = jnp.ones((2, 3))
+    with pytest.raises(px.TransformError, match=r"layer 'lin'.*'scan' transform"):
+        px.ForwardHook(model, log_fn=px.IdentityLog())(xs)
+    # Without logs nothing needs threading: hooks still run.
+    out, log = px.ForwardHook(model, hook_fn=lambda y: 2 * y)(xs)
+    close(out, 2 * model(xs))
+    assert log == {}
