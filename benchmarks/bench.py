@@ -4,8 +4,9 @@ Method:
 
 - Every ratio compares a variant with its baseline measured in the same run, on the
   same machine, with the variants interleaved round-robin: each repetition times one
-  call of every variant of a model in turn (the starting variant rotating), so drifts
-  in machine load hit all of them alike. Tables report medians over the repetitions.
+  call of every variant of a group in turn (forward variants of a model together, its
+  grad steps together; order shuffled per repetition), so drifts in machine load hit
+  all of them alike. Tables report medians over the repetitions.
 - Each timed call ends with `jax.block_until_ready`; every jitted function is called
   once (traced and compiled) before timing starts.
 - The first call (trace + compile + run) is timed in fresh processes (this script
@@ -19,6 +20,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -93,7 +95,7 @@ def grad_fn(batched):
 
 
 def variants(name):
-    """Name -> zero-argument call of every variant timed for this model."""
+    """Variant name -> zero-argument call, for this model."""
     model, x, batched = make_model(name)
     forward, grad = forward_fn(batched), grad_fn(batched)
     example = x[0] if batched else x
@@ -101,7 +103,7 @@ def variants(name):
     logged = px.ForwardHook(model, log_fn=px.IdentityLog())
     backward = px.BackwardHook(model, log_fn=px.IdentityLog()).init(example)
     theirs = peex.ForwardHook(model, log_fn=peex.IdentityLog())
-    calls = {
+    return {
         "raw": lambda: forward(model, x),
         "identity": lambda: forward(identity, x),
         "log": lambda: forward(logged, x),
@@ -109,23 +111,32 @@ def variants(name):
         "grad logged": lambda: grad(backward, x),
         "peex log": lambda: forward(theirs, x),
     }
-    return {k: calls[k] for k in VARIANTS[name]}
 
 
 def interleaved_medians(calls, reps):
     """Median seconds per call of each variant, timed round-robin `reps` times; the
-    starting variant rotates so that none always runs right after the heaviest one."""
+    order within a repetition is shuffled (fixed seed) so that no variant always runs
+    right after the same neighbour."""
     for call in calls.values():
         jax.block_until_ready(call())
-    names = list(calls)
+    names, rng = list(calls), random.Random(0)
     samples = {k: [] for k in names}
-    for rep in range(reps):
-        shift = rep % len(names)
-        for k in names[shift:] + names[:shift]:
+    for _ in range(reps):
+        rng.shuffle(names)
+        for k in names:
             start = time.perf_counter()
             jax.block_until_ready(calls[k]())
             samples[k].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def steady_medians(name, reps):
+    """Medians of every variant of this model, each group interleaved separately."""
+    calls = variants(name)
+    medians = {}
+    for group in GROUPS[name]:
+        medians |= interleaved_medians({k: calls[k] for k in group}, reps)
+    return medians
 
 
 def first_call(variant, name):
@@ -165,12 +176,14 @@ FIRST_CALL_ROWS = [
     ("first call (trace+compile) identity-hooked / raw", "identity", "raw", 1.5),
     ("first call (trace+compile) log-everything / raw", "log", "raw", 1.5),
 ]
-HOOKED = ["raw", "identity", "log", "grad raw", "grad logged"]
-VARIANTS = {  # model -> variants timed (peex 0.0.3 only hooks depth-1 attributes)
-    "seed MLP": HOOKED + ["peex log"],
-    "MLP depth 12": HOOKED,
-    "transformer": HOOKED,
-    "flat 12 Linear": ["log", "peex log"],
+# Model -> groups of variants interleaved together (forward apart from the heavier grad
+# steps); peex 0.0.3 only hooks depth-1 attributes.
+FORWARD, GRAD = ["raw", "identity", "log"], ["grad raw", "grad logged"]
+GROUPS = {
+    "seed MLP": [FORWARD + ["peex log"], GRAD],
+    "MLP depth 12": [FORWARD, GRAD],
+    "transformer": [FORWARD, GRAD],
+    "flat 12 Linear": [["log", "peex log"]],
 }
 FIRST_CALL_MODELS = ["seed MLP", "transformer"]
 
@@ -211,8 +224,9 @@ def header(reps, first_reps, wall):
         f"equinox {eqx.__version__}, date {datetime.date.today().isoformat()}; "
         f"`make bench` took {wall:.0f} s.\n\n"
         "Method: ratios are measured within one run, variants interleaved round-robin "
-        f"(each of {reps} repetitions times one call of every variant of a model in turn, "
-        "the starting variant rotating), "
+        f"(each of {reps} repetitions times one call of every variant of a group in turn: "
+        "a model's forward variants together, its grad steps together, order shuffled "
+        "per repetition), "
         "medians reported; every call ends with `jax.block_until_ready` and every jitted "
         "function is compiled before timing. Forward: `eqx.filter_jit` of the model "
         "(batched models under `jax.vmap` inside the jitted function, batch "
@@ -238,7 +252,7 @@ def main():
         return
     start = time.perf_counter()
     reps, first_reps = (20, 1) if args.quick else (1000, 5)
-    steady = {model: interleaved_medians(variants(model), reps) for model in VARIANTS}
+    steady = {model: steady_medians(model, reps) for model in GROUPS}
     first = {model: first_call_medians(model, first_reps) for model in FIRST_CALL_MODELS}
     rows = [row(spec, model, medians) for spec in STEADY_ROWS for model, medians in steady.items()]
     rows += [row(spec, model, medians) for spec in FIRST_CALL_ROWS for model, medians in first.items()]

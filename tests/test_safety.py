@@ -1,0 +1,134 @@
+"""Scoped patching, thread isolation, no mutation, and clear errors."""
+
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import peex_interop as px
+from models import MLP
+
+ORIGINALS = {
+    "Linear.__call__": eqx.nn.Linear.__dict__["__call__"],
+    "jax.vmap": jax.vmap,
+    "jax.lax.scan": jax.lax.scan,
+    "jax.lax.cond": jax.lax.cond,
+    "jax.checkpoint": jax.checkpoint,
+}
+
+
+def assert_unpatched():
+    assert eqx.nn.Linear.__dict__["__call__"] is ORIGINALS["Linear.__call__"]
+    assert "__call__" not in vars(MLP) or vars(MLP)["__call__"] is MLP.__dict__["__call__"]
+    assert jax.vmap is ORIGINALS["jax.vmap"]
+    assert jax.lax.scan is ORIGINALS["jax.lax.scan"]
+    assert jax.lax.cond is ORIGINALS["jax.lax.cond"]
+    assert jax.checkpoint is ORIGINALS["jax.checkpoint"]
+
+
+def model_and_input():
+    return MLP(3, 4, 2, key=jax.random.key(0)), jnp.linspace(-1.0, 1.0, 3)
+
+
+def test_patches_are_undone_after_success_and_exceptions():
+    model, x = model_and_input()
+    px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    assert_unpatched()
+
+    def boom(_):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as info:
+        px.ForwardHook(model, log_fn=boom)(x)
+    assert any("layer 'linear1'" in note for note in info.value.__notes__)
+    assert_unpatched()
+    with pytest.raises(RuntimeError):
+        eqx.filter_jit(lambda h, x: h(x))(px.ForwardHook(model, hook_fn=boom), x)
+    assert_unpatched()
+
+
+def test_user_model_is_not_mutated():
+    model, x = model_and_input()
+    before = jax.tree.leaves(model)
+    copies = [np.asarray(leaf) for leaf in before]
+    hooked = px.ForwardHook(model, hook_fn=lambda y: y * 0, log_fn=px.IdentityLog())
+    hooked(x)
+    after = jax.tree.leaves(model)
+    assert all(a is b for a, b in zip(before, after))
+    for leaf, copy in zip(after, copies):
+        np.testing.assert_array_equal(leaf, copy)
+    np.testing.assert_allclose(model(x), MLP(3, 4, 2, key=jax.random.key(0))(x))
+
+
+def test_concurrent_threads_do_not_see_each_others_hooks():
+    model, x = model_and_input()
+    inside, release = threading.Event(), threading.Event()
+    results = {}
+
+    def slow_log(y):
+        inside.set()
+        release.wait(timeout=30)
+        return y
+
+    def hooked_thread():
+        results["hooked"] = px.ForwardHook(model, hook_fn=lambda y: 10 * y, log_fn=slow_log)(x)
+
+    thread = threading.Thread(target=hooked_thread)
+    thread.start()
+    assert inside.wait(timeout=30)
+    # While the other thread sits inside its hooked call (classes patched), this
+    # thread's plain and differently hooked calls see nothing of it.
+    results["plain"] = model(x)
+    results["other"] = px.ForwardHook(model, log_fn=px.MeanLog())(x)
+    release.set()
+    thread.join()
+    np.testing.assert_allclose(results["plain"], MLP(3, 4, 2, key=jax.random.key(0))(x))
+    other_out, other_log = results["other"]
+    np.testing.assert_allclose(other_out, results["plain"])
+    assert set(other_log) == {"linear1", "linear2"}
+    np.testing.assert_allclose(other_log["linear1"], jnp.mean(model.linear1(x)), rtol=1e-6)
+    hooked_out, hooked_log = results["hooked"]
+    h1 = 10 * model.linear1(x)
+    np.testing.assert_allclose(hooked_out, 10 * model.linear2(jax.nn.relu(h1)), rtol=1e-5)
+    assert_unpatched()
+
+
+def test_hook_changing_shape_names_layer_expected_and_got():
+    model, x = model_and_input()
+    with pytest.raises(px.HookError, match=r"hook_fn at layer 'linear1'.*expected float32\[4\], got float32\[5\]"):
+        px.ForwardHook(model, hook_fn=lambda y: jnp.concatenate([y, y[:1]]) if y.shape == (4,) else y)(x)
+    with pytest.raises(px.HookError, match=r"layer 'linear2'.*expected float32\[2\], got int32\[2\]"):
+        px.ForwardHook(model, hook_fn=lambda y: y.astype(jnp.int32), where="linear2")(x)
+
+    @eqx.filter_grad
+    def grad(hooked, x):
+        return jnp.sum(hooked(x))
+
+    with pytest.raises(px.HookError, match=r"hook_fn \(backward\) at layer 'linear1'"):
+        grad(px.BackwardHook(model, hook_fn=lambda ct: ct[:1], where="linear1").init(x), x)
+
+
+def test_non_module_model_gets_a_hint():
+    with pytest.raises(TypeError, match=r"wraps an equinox.Module.*eqx.nn.Lambda"):
+        px.ForwardHook(lambda x: x)
+    with pytest.raises(TypeError, match="equinox.Module"):
+        px.BackwardHook({"w": jnp.ones(2)})
+
+
+def test_backward_without_init_is_an_error_not_a_silent_drop():
+    model, x = model_and_input()
+    with pytest.raises(px.HookError, match=r"no cotangent slot for layer 'linear1'.*init"):
+        jax.grad(lambda h: jnp.sum(h(x)))(px.BackwardHook(model, log_fn=px.IdentityLog()))
+
+
+def test_plain_callables_are_wrapped_as_modules():
+    model, x = model_and_input()
+    hooked = px.ForwardHook(model, hook_fn=lambda y: y + 1.0, log_fn=jnp.max)
+    assert isinstance(hooked.hook_fn, px.FunctionHook) and isinstance(hooked.log_fn, px.FunctionLog)
+    out, log = eqx.filter_jit(lambda h, x: h(x))(hooked, x)
+    h1 = model.linear1(x) + 1.0
+    np.testing.assert_allclose(log["linear1"], jnp.max(h1), rtol=1e-6)
+    np.testing.assert_allclose(out, model.linear2(jax.nn.relu(h1)) + 1.0, rtol=1e-6)
