@@ -202,8 +202,16 @@ class HookContext:
             for outer_leaf, inner_leaf in zip(outer_leaves, inner_leaves):
                 found = self._leaf_path(outer_leaf)
                 if found is not None:
-                    scope.leaves[id(inner_leaf)] = (found, inner_leaf)
+                    scope.leaves[id(inner_leaf)] = (found, inner_leaf, outer_leaf)
         self.scopes.append(scope)
+
+    def origin(self, leaf: Any) -> Any:
+        """The model leaf that a body input stands for (through nested bodies)."""
+        for scope in reversed(self.scopes):
+            entry = scope.leaves.get(id(leaf))
+            if entry is not None:
+                leaf = entry[2]
+        return leaf
 
     def exit_body(self) -> dict:
         return self.scopes.pop().logs
@@ -266,6 +274,17 @@ def entered(context: HookContext) -> Iterator[HookContext]:
         yield context
     finally:
         stack.remove(context)
+
+
+def origin(leaf: Any) -> Any:
+    """The leaf of the hooked model that `leaf` stands for: inside a threaded vmap/scan/
+    cond/checkpoint body, body inputs are new tracers; outside, a leaf is itself.
+    Adapters use it to recognise their own library objects rebuilt inside bodies."""
+    for context in reversed(active()):
+        found = context.origin(leaf)
+        if found is not leaf:
+            return found
+    return leaf
 
 
 def call_site(
