@@ -10,8 +10,10 @@ Method:
 - Each timed call ends with `jax.block_until_ready`; every jitted function is called
   once (traced and compiled) before timing starts.
 - The first call (trace + compile + run) is timed in fresh processes (this script
-  re-run with `--first-call VARIANT MODEL`; imports and model construction excluded,
-  persistent compilation cache off), raw and hooked processes alternating.
+  re-run with `--first-call VARIANT MODEL`; imports, model construction and backend
+  start-up excluded, persistent compilation cache off), raw and hooked processes
+  alternating.
+- Weights are zeros (see `make_model`).
 
 Usage: `python benchmarks/bench.py [--quick] [--out docs/benchmarks.md]`.
 """
@@ -25,11 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import peex
 
 import peex_interop as px
@@ -68,26 +72,52 @@ class Flat12(eqx.Module):
 
 
 def make_model(name):
-    """`(model, input, batched)`; a batched model is called as `jax.vmap(model)(x)`."""
-    key, x_key = jax.random.split(jax.random.key(0))
-    batch = jax.random.normal(x_key, (BATCH, WIDTH))
-    if name == "seed MLP":
-        return MLP(1, 2, 1, key=key), jax.random.normal(x_key, (1,)), False
-    if name == "MLP depth 12":
-        return eqx.nn.MLP(WIDTH, WIDTH, WIDTH, depth=12, key=key), batch, True
-    if name == "transformer":
-        model = Transformer(vocab=100, dim=WIDTH, heads=4, num_blocks=4, key=key)
-        return model, jax.random.randint(x_key, (32,), 0, 100), False
-    if name == "flat 12 Linear":
-        return Flat12(key=key), batch, True
-    raise ValueError(f"unknown model {name!r}")
+    """`(model, input, batched)`; a batched model is called as `jax.vmap(model)(x)`.
+
+    Weights are zeros of the right shapes, built without running JAX: timings do not
+    depend on values, and eager initialisation (seconds for the transformer) would
+    dominate every `--first-call` process. Inputs come from NumPy for the same reason.
+    """
+    rng = np.random.default_rng(0)
+    batch = rng.standard_normal((BATCH, WIDTH), np.float32)
+    build, x, batched = {
+        "seed MLP": (lambda k: MLP(1, 2, 1, key=k), rng.standard_normal(1, np.float32), False),
+        "MLP depth 12": (lambda k: eqx.nn.MLP(WIDTH, WIDTH, WIDTH, depth=12, key=k), batch, True),
+        "transformer": (
+            lambda k: Transformer(vocab=100, dim=WIDTH, heads=4, num_blocks=4, key=k),
+            rng.integers(0, 100, 32, np.int32),
+            False,
+        ),
+        "flat 12 Linear": (lambda k: Flat12(key=k), batch, True),
+    }[name]
+    shapes = eqx.filter_eval_shape(lambda: build(jax.random.key(0)))
+    model = jax.tree.map(zeros_if_array, shapes)
+    return model, jnp.asarray(x), batched
+
+
+def zeros_if_array(leaf):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.asarray(np.zeros(leaf.shape, leaf.dtype))
+    return leaf
+
+
+# Forward variants: how each wraps the model.
+WRAPPERS = {
+    "raw": lambda model: model,
+    "identity": px.ForwardHook,
+    "log": lambda model: px.ForwardHook(model, log_fn=px.IdentityLog()),
+    "peex log": lambda model: peex.ForwardHook(model, log_fn=peex.IdentityLog()),
+}
 
 
 def forward_fn(batched):
+    """The jitted forward pass; a hooked model returns `(output, log)`."""
     return eqx.filter_jit(lambda m, x: jax.vmap(m)(x) if batched else m(x))
 
 
 def grad_fn(batched):
+    """The jitted gradient of the sum of squares of the output."""
+
     def loss(m, x):
         return jnp.sum((jax.vmap(m)(x) if batched else m(x)) ** 2)
 
@@ -98,19 +128,11 @@ def variants(name):
     """Variant name -> zero-argument call, for this model."""
     model, x, batched = make_model(name)
     forward, grad = forward_fn(batched), grad_fn(batched)
-    example = x[0] if batched else x
-    identity = px.ForwardHook(model)
-    logged = px.ForwardHook(model, log_fn=px.IdentityLog())
-    backward = px.BackwardHook(model, log_fn=px.IdentityLog()).init(example)
-    theirs = peex.ForwardHook(model, log_fn=peex.IdentityLog())
-    return {
-        "raw": lambda: forward(model, x),
-        "identity": lambda: forward(identity, x),
-        "log": lambda: forward(logged, x),
-        "grad raw": lambda: grad(model, x),
-        "grad logged": lambda: grad(backward, x),
-        "peex log": lambda: forward(theirs, x),
-    }
+    backward = px.BackwardHook(model, log_fn=px.IdentityLog()).init(x[0] if batched else x)
+    calls = {k: partial(forward, wrap(model), x) for k, wrap in WRAPPERS.items()}
+    calls["grad raw"] = partial(grad, model, x)
+    calls["grad logged"] = partial(grad, backward, x)
+    return calls
 
 
 def interleaved_medians(calls, reps):
@@ -143,12 +165,8 @@ def first_call(variant, name):
     """Seconds of the first forward call in this (fresh) process."""
     jax.config.update("jax_enable_compilation_cache", False)
     model, x, batched = make_model(name)
-    if variant == "identity":
-        model = px.ForwardHook(model)
-    elif variant == "log":
-        model = px.ForwardHook(model, log_fn=px.IdentityLog())
-    jax.block_until_ready(x)
-    forward = forward_fn(batched)
+    model, forward = WRAPPERS[variant](model), forward_fn(batched)
+    jax.block_until_ready(jax.jit(jnp.negative)(x))  # backend start-up, not timed
     start = time.perf_counter()
     jax.block_until_ready(forward(model, x))
     return time.perf_counter() - start
@@ -189,6 +207,7 @@ FIRST_CALL_MODELS = ["seed MLP", "transformer"]
 
 
 def row(spec, model, medians):
+    """A table row, or `None` where this model has no such variants."""
     label, variant, baseline, target = spec
     if variant not in medians or baseline not in medians:
         return None
@@ -222,7 +241,7 @@ def header(reps, first_reps, wall):
         f"Machine: {device.platform.upper()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores), Python {platform.python_version()}, jax {jax.__version__}, "
         f"equinox {eqx.__version__}, date {datetime.date.today().isoformat()}; "
-        f"`make bench` took {wall:.0f} s.\n\n"
+        f"the run took {wall:.0f} s.\n\n"
         "Method: ratios are measured within one run, variants interleaved round-robin "
         f"(each of {reps} repetitions times one call of every variant of a group in turn: "
         "a model's forward variants together, its grad steps together, order shuffled "
@@ -231,8 +250,9 @@ def header(reps, first_reps, wall):
         "function is compiled before timing. Forward: `eqx.filter_jit` of the model "
         "(batched models under `jax.vmap` inside the jitted function, batch "
         f"{BATCH}); grad step: `eqx.filter_jit(eqx.filter_grad(loss))`, loss = sum of "
-        "squares of the output. First calls (trace + compile + run, imports and "
-        f"construction excluded) are medians of {first_reps} fresh processes per variant, "
+        "squares of the output; weights are zeros (timings do not depend on values). "
+        "First calls (trace + compile + run; imports, construction and backend start-up "
+        f"excluded) are medians of {first_reps} fresh processes per variant, "
         "variants alternating. Models: seed MLP = `tests/models.py: MLP(1, 2, 1)`; "
         f"MLP depth 12 = `eqx.nn.MLP({WIDTH}, {WIDTH}, {WIDTH}, depth=12)`; transformer = "
         f"`Transformer(vocab=100, dim={WIDTH}, heads=4, num_blocks=4)` on 32 tokens; "
@@ -245,17 +265,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="markdown file to write")
     parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test)")
-    parser.add_argument("--first-call", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--first-call", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.first_call:
         print(first_call(*args.first_call))
         return
     start = time.perf_counter()
-    reps, first_reps = (20, 1) if args.quick else (1000, 5)
+    reps, first_reps = (20, 1) if args.quick else (2000, 5)
     steady = {model: steady_medians(model, reps) for model in GROUPS}
     first = {model: first_call_medians(model, first_reps) for model in FIRST_CALL_MODELS}
-    rows = [row(spec, model, medians) for spec in STEADY_ROWS for model, medians in steady.items()]
-    rows += [row(spec, model, medians) for spec in FIRST_CALL_ROWS for model, medians in first.items()]
+    rows = [row(spec, model, m) for spec in STEADY_ROWS for model, m in steady.items()]
+    rows += [row(spec, model, m) for spec in FIRST_CALL_ROWS for model, m in first.items()]
     text = table([r for r in rows if r is not None])
     print(text)
     if args.out:

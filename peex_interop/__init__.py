@@ -3,6 +3,12 @@
 from ._backward import BackwardHook as BackwardHook
 from ._errors import HookError as HookError, TransformError as TransformError
 from ._forward import ForwardHook as ForwardHook
+from ._haiku import (
+    from_haiku as from_haiku,
+    haiku_function as haiku_function,
+    HaikuFunction as HaikuFunction,
+    HaikuModule as HaikuModule,
+)
 from ._hooks import (
     AbstractHook as AbstractHook,
     FunctionHook as FunctionHook,

@@ -14,6 +14,17 @@ class AbstractTransparent(eqx.Module):
     model: eqx.AbstractVar[Any]
 
 
+class AbstractConverted(eqx.Module):
+    """A model of another library exposed as one `eqx.Module`: its layers are not pytree
+    nodes but are reached through the library's interceptor at call time. `layers`
+    lists them ahead of the call, for `where=` validation and `px.module_paths`."""
+
+    def layers(self) -> dict[tuple[str, ...], Any] | None:
+        """Local path -> the library's module (or its type; `None` where unknown), or
+        `None` when the layers only come into existence during the call."""
+        raise NotImplementedError
+
+
 def join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
@@ -53,8 +64,22 @@ def walk(
         yield from walk(child, prefix + key_path)
 
 
-def module_paths(root: Any) -> dict[str, eqx.Module]:
-    """Dotted path -> module for every submodule of `root` (the root itself is `""`)."""
-    return {
-        join(*path): node for path, node in walk(root) if isinstance(node, eqx.Module)
-    }
+def paths_known(root: Any) -> bool:
+    """Whether every layer of `root` can be listed before calling it."""
+    return not any(
+        isinstance(node, AbstractConverted) and node.layers() is None for _, node in walk(root)
+    )
+
+
+def module_paths(root: Any) -> dict[str, Any]:
+    """Dotted path -> module for every layer of `root` (the root itself is `""`),
+    including the layers of converted Haiku/NNX models (`None` where the module object
+    only exists during a call)."""
+    paths = {}
+    for path, node in walk(root):
+        if isinstance(node, eqx.Module):
+            paths.setdefault(join(*path), node)
+        if isinstance(node, AbstractConverted):
+            for local, layer in (node.layers() or {}).items():
+                paths.setdefault(join(*path, *local), layer)
+    return paths

@@ -40,8 +40,12 @@ def _matches(criterion: Criterion, path: str, module: Any) -> bool:
     if isinstance(criterion, str):
         return glob_to_regex(criterion).match(path) is not None
     if isinstance(criterion, type):
-        return isinstance(module, criterion)
+        return _is_kind(module, criterion)
     return bool(criterion(path, module))
+
+
+def _is_kind(module: Any, kind: type) -> bool:
+    return isinstance(module, kind) or (isinstance(module, type) and issubclass(module, kind))
 
 
 def _as_tuple(value: Any) -> tuple | None:
@@ -85,8 +89,11 @@ class Selection:
                 if not any(_matches(criterion, p, modules[p]) for p in paths):
                     raise HookError(_no_match("where pattern", criterion, paths, model_name))
             elif isinstance(criterion, type):
-                if not any(isinstance(modules[p], criterion) for p in paths):
-                    kinds = sorted({type(m).__name__ for m in modules.values()})
+                known = [modules[p] for p in paths if modules[p] is not None]
+                if len(known) < len(paths):
+                    continue  # some layers exist only during a call: nothing to check
+                if not any(_is_kind(m, criterion) for m in known):
+                    kinds = sorted({(m if isinstance(m, type) else type(m)).__name__ for m in known})
                     raise HookError(
                         f"where type {criterion.__name__} matches no layer of "
                         f"{model_name}; its layers are of types: {', '.join(kinds)}"

@@ -6,7 +6,7 @@ from typing import Any
 import equinox as eqx
 
 from ._engine import check_model
-from ._paths import AbstractTransparent, module_paths
+from ._paths import AbstractTransparent, module_paths, paths_known
 from ._selection import Selection
 
 
@@ -28,5 +28,6 @@ def selection_fields(
     hashable tuples (they are static fields)."""
     check_model(model, wrapper)
     selection = Selection.make(layer_names, where)
-    selection.validate(module_paths(model), type(model).__name__)
+    if paths_known(model):
+        selection.validate(module_paths(model), type(model).__name__)
     return selection

@@ -1,0 +1,294 @@
+"""Haiku models (from hk.nets and hk's own layers) converted with px.from_haiku."""
+
+import equinox as eqx
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from haiku._src import module as hk_module
+
+import peex_interop as px
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def mlp_fn(x):
+    return hk.nets.MLP([8, 4])(x)
+
+
+def mha_fn(x):
+    return hk.MultiHeadAttention(num_heads=2, key_size=4, w_init=hk.initializers.VarianceScaling())(x, x, x)
+
+
+def lstm_fn(xs):
+    core = hk.LSTM(6)
+    return hk.dynamic_unroll(core, xs, core.initial_state(xs.shape[1]))[0]
+
+
+def stack_fn(x):
+    def block(x):
+        return jnp.tanh(hk.Linear(5, name="lin")(x))
+
+    return hk.Linear(2, name="head")(hk.experimental.layer_stack(3)(block)(x))
+
+
+def scan_fn(x):
+    lin = hk.Linear(5, name="shared")
+    return hk.scan(lambda c, _: (jnp.tanh(lin(c)), None), x, None, length=3)[0]
+
+
+def vmap_remat_fn(x):
+    x = hk.vmap(lambda r: hk.Linear(5, name="rows")(r), split_rng=False)(x)
+    return hk.remat(lambda x: hk.Linear(3, name="out")(x))(x)
+
+
+def dropout_fn(x):
+    return hk.dropout(hk.next_rng_key(), 0.5, hk.Linear(6)(x))
+
+
+MODELS = {
+    "mlp": (mlp_fn, (3, 5)),
+    "mha": (mha_fn, (4, 6)),
+    "lstm": (lstm_fn, (4, 2, 3)),
+    "layer_stack": (stack_fn, (2, 5)),
+    "scan": (scan_fn, (2, 5)),
+    "vmap_remat": (vmap_remat_fn, (2, 5)),
+    "dropout": (dropout_fn, (2, 5)),
+}
+
+
+def convert(name):
+    fn, shape = MODELS[name]
+    transformed = hk.transform(fn)
+    x = jax.random.normal(jax.random.key(1), shape)
+    params = transformed.init(jax.random.key(0), x)
+    return transformed, params, px.from_haiku(transformed, params, rng=jax.random.key(2)), x
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_identity_hooks_change_nothing_and_nothing_leaks(name):
+    transformed, params, model, x = convert(name)
+    expected = transformed.apply(params, jax.random.key(2), x)
+    close(model(x), expected)
+    hooked = px.ForwardHook(model, hook_fn=px.IdentityHook(), log_fn=px.IdentityLog())
+    with jax.checking_leaks():
+        out, log = eqx.filter_jit(lambda h, x: h(x))(hooked, x)
+    close(out, expected)
+    assert log and not hk_module.interceptor_stack  # the interceptor left with the call
+
+
+def test_mlp_logs_equal_hand_computation_and_native_names():
+    transformed, params, model, x = convert("mlp")
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    h0 = x @ params["mlp/~/linear_0"]["w"] + params["mlp/~/linear_0"]["b"]
+    h1 = jax.nn.relu(h0) @ params["mlp/~/linear_1"]["w"] + params["mlp/~/linear_1"]["b"]
+    assert set(log) == {"mlp", "mlp.linear_0", "mlp.linear_1"}
+    close(log["mlp.linear_0"], h0)
+    close(log["mlp.linear_1"], h1)
+    close(log["mlp"], h1)
+    assert model.haiku_names(x)["mlp.linear_0"] == "mlp/~/linear_0"
+
+
+def test_attention_projection_logs():
+    transformed, params, model, x = convert("mha")
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="multi_head_attention.*")(x)
+    for proj in ("query", "key", "value"):
+        # MHA names its projections with a name scope ("/"), not as submodules ("/~/").
+        p = params[f"multi_head_attention/{proj}"]
+        close(log[f"multi_head_attention.{proj}"], x @ p["w"] + p["b"])
+
+
+def test_scan_and_layer_stack_logs_are_stacked_per_step():
+    transformed, params, model, x = convert("layer_stack")
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    assert set(log) == {"lin", "head"}  # layer_stack's internal module is not a layer
+    w, b = params["__layer_stack_no_per_layer/lin"]["w"], params["__layer_stack_no_per_layer/lin"]["b"]
+    h = x
+    for i in range(3):
+        close(log["lin"][i], h @ w[i] + b[i])
+        h = jnp.tanh(h @ w[i] + b[i])
+    transformed, params, model, x = convert("scan")
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    assert log["shared"].shape == (3, 2, 5)
+    close(log["shared"][1], jnp.tanh(log["shared"][0]) @ params["shared"]["w"] + params["shared"]["b"])
+
+
+def test_lstm_unrolled_logs_per_step():
+    transformed, params, model, x = convert("lstm")
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="lstm")(x)
+    outputs, state = log["lstm"]
+    close(outputs, transformed.apply(params, None, x))
+    assert outputs.shape == (4, 2, 6) and state.cell.shape == (4, 2, 6)
+
+
+TRANSFORMS = {
+    "jit": lambda f: jax.jit(f),
+    "vmap": lambda f: lambda xs: jax.vmap(f)(jnp.stack([xs, 2 * xs])),
+    "scan": lambda f: lambda x: jax.lax.scan(lambda c, x: (c, f(x)), None, jnp.stack([x, 2 * x]))[1],
+    "remat": lambda f: jax.checkpoint(f),
+    "grad": lambda f: jax.grad(lambda x: jnp.sum(f(x)[0] ** 2) + sum(jnp.sum(v) for v in jax.tree.leaves(f(x)[1]))),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("name", ["mlp", "layer_stack"])
+def test_transforms_around_match_unhooked(transform, name):
+    transformed, params, model, x = convert(name)
+    hooked = px.ForwardHook(model, log_fn=px.MeanLog())
+
+    def plain(x):
+        out = transformed.apply(params, None, x)
+        return out, {"out": jnp.mean(out)}
+
+    def with_hooks(x):
+        out, log = hooked(x)
+        return out, {"out": jnp.mean(out)}
+
+    with jax.checking_leaks():
+        got = TRANSFORMS[transform](with_hooks)(x)
+    jax.tree.map(close, got, TRANSFORMS[transform](plain)(x))
+    if transform in ("vmap", "scan"):
+        _, log = TRANSFORMS[transform](hooked)(x)
+        close(log[next(iter(log))][1], hooked(2 * x)[1][next(iter(log))])
+
+
+def test_backward_logs_equal_vjp_including_layer_stack():
+    transformed, params, model, x = convert("layer_stack")
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog()).init(x)
+    with jax.checking_leaks():
+        grads = eqx.filter_jit(eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2)))(hooked, x)
+    w, b = params["__layer_stack_no_per_layer/lin"]["w"], params["__layer_stack_no_per_layer/lin"]["b"]
+    head = params["head"]
+
+    def loss_from(i, pre):
+        h = jnp.tanh(pre)
+        for j in range(i + 1, 3):
+            h = jnp.tanh(h @ w[j] + b[j])
+        return jnp.sum((h @ head["w"] + head["b"]) ** 2)
+
+    h = x
+    for i in range(3):
+        pre = h @ w[i] + b[i]
+        close(grads.log["lin"][i], jax.grad(loss_from, argnums=1)(i, pre))
+        h = jnp.tanh(pre)
+
+
+def test_backward_edit_on_mlp_equals_hand_modified_gradient():
+    transformed, params, model, x = convert("mlp")
+    hooked = px.BackwardHook(model, hook_fn=lambda ct: 0.0 * ct, where="mlp.linear_1").init(x)
+    grads = eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2))(hooked, x)
+    assert not np.any(grads.model.params["mlp/~/linear_0"]["w"])
+    assert not np.any(grads.model.params["mlp/~/linear_1"]["w"])
+
+
+def resnet_fn(x, is_training):
+    return hk.nets.ResNet18(num_classes=3, resnet_v2=False)(x, is_training)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    transformed = hk.transform_with_state(resnet_fn)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
+    params, state = transformed.init(jax.random.key(0), x, True)
+    return transformed, params, state, x
+
+
+@pytest.mark.parametrize("is_training", [True, False])
+def test_resnet_with_batchnorm_state(resnet, is_training):
+    transformed, params, state, x = resnet
+    params_before = jax.tree.map(np.asarray, params)
+    model = px.from_haiku(transformed, params, state)
+    hooked = px.ForwardHook(model, log_fn=px.MeanLog(), where=["**.batchnorm_*", "**.mean_ema"])
+    (out, new_state), log = eqx.filter_jit(lambda h, x: h(x, is_training))(hooked, x)
+    ref_out, ref_state = jax.jit(transformed.apply, static_argnums=4)(params, state, None, x, is_training)
+    close(out, ref_out, 1e-4)
+    jax.tree.map(lambda a, b: close(a, b, 1e-4), new_state, ref_state)
+    assert any(k.endswith("mean_ema") for k in log) == is_training  # EMAs update only in training
+    # Carrying the state into the next call is one line.
+    model = model.with_state(new_state)
+    jax.tree.map(np.testing.assert_array_equal, model.state, new_state)
+    jax.tree.map(np.testing.assert_array_equal, params, params_before)  # never mutated
+
+
+def test_same_hook_line_on_equinox_model_and_haiku_twin():
+    transformed, params, model, x = convert("mlp")
+    eqx_mlp = eqx.nn.MLP(5, 4, 8, depth=1, key=jax.random.key(0))
+    for i, name in enumerate(["mlp/~/linear_0", "mlp/~/linear_1"]):
+        eqx_mlp = eqx.tree_at(
+            lambda m: (m.layers[i].weight, m.layers[i].bias), eqx_mlp,
+            (params[name]["w"].T, params[name]["b"]),
+        )
+    logs = {}
+    for library, net in (("equinox", eqx_mlp), ("haiku", model)):
+        hooked = px.ForwardHook(net, log_fn=px.MeanStdLog(), where=lambda path, m: "linear" in type(m).__name__.lower())
+        logs[library] = hooked(x)[1] if library == "haiku" else jax.vmap(hooked)(x)[1]
+    # Equinox's MLP is per example (vmapped): compare the statistics of the same activations.
+    eqx_first = jax.vmap(eqx_mlp.layers[0])(x)
+    close(logs["haiku"]["mlp.linear_0"][0], jnp.mean(eqx_first))
+    close(logs["haiku"]["mlp.linear_0"][1], jnp.std(eqx_first))
+    assert set(logs["equinox"]) == {"layers.0", "layers.1"}
+    close(logs["equinox"]["layers.0"][0], jnp.mean(eqx_first, axis=1))
+
+
+def test_training_with_optax_returns_haiku_params():
+    transformed, params, model, x = convert("mlp")
+    y = jnp.ones((3, 4))
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        def loss(model):
+            out, log = px.ForwardHook(model, log_fn=px.MeanLog())(x)
+            return jnp.mean((out - y) ** 2), log
+
+        (value, _), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    losses = []
+    for _ in range(20):
+        model, opt_state, value = step(model, opt_state)
+        losses.append(float(value))
+    assert losses[-1] < 0.5 * losses[0]
+    trained = model.params
+    assert isinstance(trained, dict) and set(trained) == set(params)
+    close(jnp.mean((transformed.apply(trained, None, x) - y) ** 2), losses[-1], 0.05)
+    assert not np.allclose(trained["mlp/~/linear_0"]["w"], params["mlp/~/linear_0"]["w"])
+
+
+def test_hooks_inside_users_own_transform():
+    log_fn = px.MeanStdLog()
+
+    def fn(x):
+        out, log = px.ForwardHook(px.haiku_function(mlp_fn), log_fn=log_fn, where="mlp.*")(x)
+        return out, log
+
+    transformed = hk.transform(fn)
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    params = transformed.init(jax.random.key(0), x)
+    out, log = jax.jit(transformed.apply)(params, None, x)
+    converted = px.from_haiku(hk.transform(mlp_fn), params)
+    ref_out, ref_log = px.ForwardHook(converted, log_fn=log_fn, where="mlp.*")(x)
+    close(out, ref_out)
+    assert set(log) == set(ref_log) == {"mlp.linear_0", "mlp.linear_1"}
+    jax.tree.map(close, log, ref_log)
+
+
+def test_rng_models_take_the_key_the_documented_way():
+    transformed, params, model, x = convert("dropout")
+    key = jax.random.key(7)
+    close(model.with_rng(key)(x), transformed.apply(params, key, x))
+    assert not np.allclose(model.with_rng(key)(x), model(x))
+
+
+def test_bad_input():
+    transformed, params, model, x = convert("mlp")
+    with pytest.raises(TypeError, match="hk.transform"):
+        px.from_haiku(mlp_fn, params)
+    with pytest.raises(px.HookError, match="closest available paths: mlp.linear_0"):
+        px.ForwardHook(model, where="mlp.linear0")
