@@ -89,7 +89,13 @@ class HookContext:
         self.modules: dict[int, tuple[tuple[str, ...], Any]] = {}
         self.leaves: dict[int, tuple[tuple[str, ...], Any]] = {}
         for path, node in walk(root):
-            table = self.modules if isinstance(node, eqx.Module) else self.leaves
+            # Only arrays identify layers: ints, functions etc. are shared objects.
+            if isinstance(node, eqx.Module):
+                table = self.modules
+            elif eqx.is_array(node):
+                table = self.leaves
+            else:
+                continue
             # An object stored twice is named by its first path.
             table.setdefault(id(node), (path, node))
         self.frames: list[tuple[Any, tuple[str, ...]]] = []
