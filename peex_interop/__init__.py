@@ -22,5 +22,24 @@ from ._logs import (
     MeanStdLog as MeanStdLog,
     NoneLog as NoneLog,
 )
+from ._kinds import KINDS as KINDS
 from ._paths import module_paths as module_paths
+from ._recorder import Recorder as Recorder
 from ._selection import glob_to_regex as glob_to_regex
+from ._stats import (
+    AbsMaxLog as AbsMaxLog,
+    activation_stats as activation_stats,
+    HistogramLog as HistogramLog,
+    L2NormLog as L2NormLog,
+    NearZeroLog as NearZeroLog,
+    StatsLog as StatsLog,
+    StdLog as StdLog,
+)
+from ._summary import (
+    LayerRow as LayerRow,
+    model_sizes as model_sizes,
+    num_features as num_features,
+    Summary as Summary,
+    summary as summary,
+    total_params as total_params,
+)

@@ -32,6 +32,7 @@ class Site:
 
     path: str
     key: str
+    owner: Any
     module: Any
     call: Callable[..., Any]
     args: tuple
@@ -152,7 +153,7 @@ class HookContext:
             count = self.counts.get(path, 0)
             self.counts[path] = count + 1
             key = path if count == 0 else f"{path}@{count}"
-            return self.policy.run_site(self, Site(path, key, module, call, args, kwargs))
+            return self.policy.run_site(self, Site(path, key, owner, module, call, args, kwargs))
         finally:
             self.frames.pop()
 

@@ -12,10 +12,33 @@ from typing import Any
 
 import equinox as eqx
 import haiku as hk
+import jax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _context
+from ._kinds import kind_of
 from ._paths import AbstractConverted
+
+HAIKU_KINDS: dict[type, str] = {
+    hk.Linear: "linear",
+    hk.ConvND: "conv",
+    hk.ConvNDTranspose: "conv",
+    hk.MultiHeadAttention: "attention",
+    hk.LayerNorm: "norm",
+    hk.BatchNorm: "norm",
+    hk.GroupNorm: "norm",
+    hk.RMSNorm: "norm",
+    hk.Embed: "embedding",
+    hk.RNNCore: "recurrent",
+    hk.MaxPool: "pool",
+    hk.AvgPool: "pool",
+    hk.Sequential: "container",
+    hk.nets.MLP: "container",
+}
+
+
+def _size(tree: Any) -> int:
+    return sum(leaf.size for leaf in jax.tree.leaves(tree))
 
 
 def haiku_path(module_name: str) -> tuple[str, ...]:
@@ -54,6 +77,13 @@ class _AbstractHaiku(AbstractConverted):
             local = (*local, context.method_name)
         return _context.call_site(self, next_f, args, kwargs, local=local, module=context.module)
 
+    def layer_kind(self, module: hk.Module) -> str:
+        return kind_of(module, HAIKU_KINDS)
+
+    def layer_parameter_counts(self, module: hk.Module) -> tuple[int, int]:
+        # Haiku keeps non-trained values (BatchNorm's moving averages) in state.
+        return _size(module.params_dict()), _size(module.state_dict())
+
 
 class HaikuFunction(_AbstractHaiku):
     """A function that creates and calls Haiku modules, run *inside* the user's own
@@ -67,6 +97,12 @@ class HaikuFunction(_AbstractHaiku):
 
     def layers(self) -> None:
         return None  # the modules are created by the call itself
+
+    def parameter_counts(self) -> tuple[int, int]:
+        raise TypeError(
+            "a HaikuFunction's parameters live in the enclosing hk.transform: count them "
+            "on its params, or convert the model with px.from_haiku"
+        )
 
 
 def haiku_function(fn: Callable, *, methods: Sequence[str] = ("__call__",)) -> HaikuFunction:
@@ -126,6 +162,9 @@ class HaikuModule(_AbstractHaiku):
             for end in range(1, len(path) + 1):
                 paths[path[:end]] = None
         return paths
+
+    def parameter_counts(self) -> tuple[int, int]:
+        return _size(self.params), _size(self.state)
 
     def haiku_names(self, *args: Any, **kwargs: Any) -> dict[str, str]:
         """Dotted path -> native Haiku module name of every module called with these

@@ -24,6 +24,19 @@ class AbstractConverted(eqx.Module):
         `None` when the layers only come into existence during the call."""
         raise NotImplementedError
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, non-trainable) numbers of parameters of the whole model."""
+        raise NotImplementedError
+
+    def layer_parameter_counts(self, module: Any) -> tuple[int, int]:
+        """(trainable, non-trainable) numbers of parameters of one of the library's
+        modules, during its call (submodules included)."""
+        raise NotImplementedError
+
+    def layer_kind(self, module: Any) -> str:
+        """The library-independent kind (`px.KINDS`) of one of the library's modules."""
+        raise NotImplementedError
+
 
 def join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
