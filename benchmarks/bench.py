@@ -14,6 +14,10 @@ Method:
   start-up excluded, persistent compilation cache off), raw and hooked processes
   alternating.
 - Weights are zeros (see `make_model`).
+- Each model is built by a framework's variants function (`equinox_variants`,
+  `haiku_variants`) registered in `MODELS` with its groups; the rows in `STEADY_ROWS`
+  apply to every model that has both of their variants. Haiku baselines are native:
+  `jax.jit(transformed.apply)`, `hk.intercept_methods` logging, `jax.grad` of params.
 
 Usage: `python benchmarks/bench.py [--quick] [--out docs/benchmarks.md]`.
 """
@@ -31,6 +35,7 @@ from functools import partial
 from pathlib import Path
 
 import equinox as eqx
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,14 +129,95 @@ def grad_fn(batched):
     return eqx.filter_jit(eqx.filter_grad(loss))
 
 
-def variants(name):
-    """Variant name -> zero-argument call, for this model."""
+def equinox_variants(name):
+    """Variant name -> zero-argument call, for this Equinox model."""
     model, x, batched = make_model(name)
     forward, grad = forward_fn(batched), grad_fn(batched)
     backward = px.BackwardHook(model, log_fn=px.IdentityLog()).init(x[0] if batched else x)
     calls = {k: partial(forward, wrap(model), x) for k, wrap in WRAPPERS.items()}
     calls["grad raw"] = partial(grad, model, x)
     calls["grad logged"] = partial(grad, backward, x)
+    return calls
+
+
+class HaikuBlock(hk.Module):
+    """Pre-norm transformer block: self-attention, then a two-layer MLP."""
+
+    def __call__(self, x):
+        h = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln_attn")(x)
+        attn = hk.MultiHeadAttention(
+            num_heads=4, key_size=WIDTH // 4, w_init=hk.initializers.VarianceScaling(),
+            name="attn",
+        )
+        x = x + attn(h, h, h)
+        h = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln_mlp")(x)
+        return x + hk.nets.MLP([4 * WIDTH, WIDTH], activation=jax.nn.gelu, name="mlp")(h)
+
+
+def haiku_transformer(x):
+    # A Python loop, not hk.experimental.layer_stack: the native baseline's interceptor
+    # records into a Python dict, which cannot take values out of layer_stack's scan.
+    for i in range(4):
+        x = HaikuBlock(name=f"block_{i}")(x)
+    return x
+
+
+# Haiku model -> (function to hk.transform, input shape).
+HAIKU_MODELS = {
+    "hk MLP depth 13": (lambda x: hk.nets.MLP([WIDTH] * 12 + [WIDTH])(x), (BATCH, WIDTH)),
+    "hk transformer": (haiku_transformer, (32, WIDTH)),
+}
+
+
+def make_haiku_model(name):
+    """`(transformed, params, input)`; params are zeros, shapes from `jax.eval_shape`."""
+    fn, shape = HAIKU_MODELS[name]
+    transformed = hk.without_apply_rng(hk.transform(fn))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape, np.float32))
+    shapes = jax.eval_shape(transformed.init, jax.random.key(0), x)
+    return transformed, jax.tree.map(zeros_if_array, shapes), x
+
+
+def native_haiku_log(transformed):
+    """The native Haiku way to log every layer: `apply` under `hk.intercept_methods`,
+    recording each module's `__call__` output by its Haiku name; returns `(out, log)`."""
+
+    def apply(params, x):
+        log = {}
+
+        def record(next_f, args, kwargs, context):
+            out = next_f(*args, **kwargs)
+            if context.method_name == "__call__":
+                log[context.module.module_name] = out
+            return out
+
+        with hk.intercept_methods(record):
+            out = transformed.apply(params, x)
+        return out, log
+
+    return jax.jit(apply)
+
+
+def haiku_variants(name):
+    """Variant name -> zero-argument call, for this Haiku model: hooked variants wrap
+    `px.from_haiku(transformed, params)`, baselines are native Haiku under `jax.jit`."""
+    transformed, params, x = make_haiku_model(name)
+    converted = px.from_haiku(transformed, params)
+    forward, grad = forward_fn(False), grad_fn(False)
+    backward = px.BackwardHook(converted, log_fn=px.IdentityLog()).init(x)
+
+    def loss_of_params(params, x):
+        return jnp.sum(transformed.apply(params, x) ** 2)
+
+    calls = {k: partial(forward, WRAPPERS[k](converted), x) for k in ("identity", "log")}
+    calls["raw"] = partial(jax.jit(transformed.apply), params, x)
+    calls["native log"] = partial(native_haiku_log(transformed), params, x)
+    calls["grad raw"] = partial(jax.jit(jax.grad(loss_of_params)), params, x)
+    calls["grad logged"] = partial(grad, backward, x)
+    # The converted model without hooks, under eqx.filter_jit like the hooked variants:
+    # splits each hooked/native ratio into hook cost and filter_jit dispatch cost.
+    calls["unhooked"] = partial(forward, converted, x)
+    calls["grad unhooked"] = partial(grad, converted, x)
     return calls
 
 
@@ -154,9 +240,10 @@ def interleaved_medians(calls, reps):
 
 def steady_medians(name, reps):
     """Medians of every variant of this model, each group interleaved separately."""
-    calls = variants(name)
+    build, groups = MODELS[name]
+    calls = build(name)
     medians = {}
-    for group in GROUPS[name]:
+    for group in groups:
         medians |= interleaved_medians({k: calls[k] for k in group}, reps)
     return medians
 
@@ -189,19 +276,32 @@ STEADY_ROWS = [
     ("log-everything / raw jit forward", "log", "raw", 1.05),
     ("backward-logged grad step / plain grad step", "grad logged", "grad raw", 1.10),
     ("peex_interop / peex 0.0.3 (IdentityLog forward)", "log", "peex log", None),
+    ("log-everything / native hk.intercept_methods log", "log", "native log", 1.05),
+    # Haiku only: the same ratios split at the unhooked converted model.
+    ("identity-hooked / unhooked from_haiku, both eqx.filter_jit", "identity", "unhooked", 1.02),
+    ("backward-logged / unhooked from_haiku grad step, both eqx.filter_jit", "grad logged",
+     "grad unhooked", 1.10),
+    ("dispatch: unhooked from_haiku eqx.filter_jit / raw jax.jit forward", "unhooked", "raw",
+     None),
+    ("dispatch: unhooked from_haiku eqx.filter_jit grad / plain jax.jit grad", "grad unhooked",
+     "grad raw", None),
 ]
 FIRST_CALL_ROWS = [
     ("first call (trace+compile) identity-hooked / raw", "identity", "raw", 1.5),
     ("first call (trace+compile) log-everything / raw", "log", "raw", 1.5),
 ]
-# Model -> groups of variants interleaved together (forward apart from the heavier grad
-# steps); peex 0.0.3 only hooks depth-1 attributes.
+# Model -> (variants function, groups of variants interleaved together: forward apart
+# from the heavier grad steps); peex 0.0.3 only hooks depth-1 attributes. A new
+# framework adds its variants function and its models here.
 FORWARD, GRAD = ["raw", "identity", "log"], ["grad raw", "grad logged"]
-GROUPS = {
-    "seed MLP": [FORWARD + ["peex log"], GRAD],
-    "MLP depth 12": [FORWARD, GRAD],
-    "transformer": [FORWARD, GRAD],
-    "flat 12 Linear": [["log", "peex log"]],
+HAIKU_GROUPS = [FORWARD + ["native log", "unhooked"], GRAD + ["grad unhooked"]]
+MODELS = {
+    "seed MLP": (equinox_variants, [FORWARD + ["peex log"], GRAD]),
+    "MLP depth 12": (equinox_variants, [FORWARD, GRAD]),
+    "transformer": (equinox_variants, [FORWARD, GRAD]),
+    "flat 12 Linear": (equinox_variants, [["log", "peex log"]]),
+    "hk MLP depth 13": (haiku_variants, HAIKU_GROUPS),
+    "hk transformer": (haiku_variants, HAIKU_GROUPS),
 }
 FIRST_CALL_MODELS = ["seed MLP", "transformer"]
 
@@ -257,6 +357,21 @@ def header(reps, first_reps, wall):
         f"MLP depth 12 = `eqx.nn.MLP({WIDTH}, {WIDTH}, {WIDTH}, depth=12)`; transformer = "
         f"`Transformer(vocab=100, dim={WIDTH}, heads=4, num_blocks=4)` on 32 tokens; "
         "flat 12 Linear = 12 `eqx.nn.Linear` attributes at depth 1 (what peex 0.0.3 hooks).\n\n"
+        "Haiku models (`hk.without_apply_rng(hk.transform(f))`, zero params; hooked "
+        "variants wrap `px.from_haiku(transformed, params)` and run as above, without "
+        "`jax.vmap`): hk MLP depth 13 = `hk.nets.MLP("
+        f"[{WIDTH}] * 12 + [{WIDTH}])` on a ({BATCH}, {WIDTH}) batch; hk transformer = 4 "
+        "pre-norm blocks (`hk.LayerNorm`, `hk.MultiHeadAttention(num_heads=4, "
+        f"key_size={WIDTH // 4})`, `hk.LayerNorm`, `hk.nets.MLP([{4 * WIDTH}, {WIDTH}])` "
+        "with gelu, residuals) in a Python loop, on a (32, "
+        f"{WIDTH}) input. Haiku baselines are native, under `jax.jit`: raw = "
+        "`jax.jit(transformed.apply)`; native log = `apply` inside "
+        "`hk.intercept_methods` with an interceptor recording every `__call__` output "
+        "into a dict keyed by `context.module.module_name`, returning `(out, dict)`; "
+        "plain grad step = `jax.jit(jax.grad(loss))` of the params dict; unhooked = "
+        "the converted model without hooks under `eqx.filter_jit` (its rows split "
+        "each Haiku ratio into hook cost and `eqx.filter_jit`-vs-`jax.jit` dispatch "
+        "cost). \"~1\" targets are reported, not checked.\n\n"
         "Regenerate with `make bench` (`--quick` for a smoke test).\n"
     )
 
@@ -273,8 +388,8 @@ def main():
         print(first_call(*args.first_call))
         return
     start = time.perf_counter()
-    reps, first_reps = (20, 1) if args.quick else (2000, 5)
-    steady = {model: steady_medians(model, reps) for model in GROUPS}
+    reps, first_reps = (20, 1) if args.quick else (1500, 5)
+    steady = {model: steady_medians(model, reps) for model in MODELS}
     first = {model: first_call_medians(model, first_reps) for model in FIRST_CALL_MODELS}
     rows = [row(spec, model, m) for spec in STEADY_ROWS for model, m in steady.items()]
     rows += [row(spec, model, m) for spec in FIRST_CALL_ROWS for model, m in first.items()]

@@ -32,6 +32,7 @@ from ._stats import (
     HistogramLog as HistogramLog,
     L2NormLog as L2NormLog,
     NearZeroLog as NearZeroLog,
+    pool_stats as pool_stats,
     StatsLog as StatsLog,
     StdLog as StdLog,
 )

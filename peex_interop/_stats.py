@@ -93,3 +93,41 @@ def activation_stats(
             "hist": HistogramLog(bins, range),
         }
     )
+
+
+def _pool(name: str, values: dict[str, Any], axes: tuple[int, ...]) -> Any:
+    value = values[name]
+    if name == "hist":
+        return jnp.sum(value, axis=axes)
+    if name == "std":
+        # Equal-sized groups: pooled variance = mean(var_i + mean_i**2) - mean**2.
+        mean = values["mean"]
+        second_moment = jnp.mean(value**2 + mean**2, axis=axes)
+        return jnp.sqrt(jnp.maximum(second_moment - jnp.mean(mean, axis=axes) ** 2, 0.0))
+    if name in ("mean", "near_zero"):
+        return jnp.mean(value, axis=axes)
+    raise ValueError(f"cannot pool statistic {name!r}: pool only px.activation_stats() logs")
+
+
+def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
+    """Pool `px.activation_stats()` statistics over their leading `num_axes` axes,
+    exactly (as if computed over all examples at once).
+
+    Layers inside a `jax.vmap` over examples (the usual Equinox style) log one
+    statistic per example; pooling inside the compiled step keeps what is returned and
+    recorded independent of the batch size.
+
+    **Arguments:**
+
+    - `log`: a log of `px.activation_stats()` (`{path: {"mean", "std", ...}}`).
+    - `num_axes`: how many leading (example) axes to pool.
+
+    **Returns:**
+
+    The log with those axes pooled.
+    """
+    axes = tuple(range(num_axes))
+    return {
+        path: {name: _pool(name, values, axes) for name in values}
+        for path, values in log.items()
+    }

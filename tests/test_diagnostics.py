@@ -178,3 +178,17 @@ def test_tensorboard_events_read_back(tmp_path):
     scalars = events.Scalars("out/mean")
     assert [e.step for e in scalars] == [0, 2, 4]
     np.testing.assert_allclose(scalars[1].value, np.mean(model(jnp.full(3, 1.0))), rtol=1e-5)
+
+
+def test_pooled_statistics_equal_statistics_of_the_whole_batch():
+    model = Deep(key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (16, 3)) * 2
+    _, per_example = jax.vmap(px.ForwardHook(model, log_fn=px.activation_stats()))(xs)
+    pooled = jax.jit(px.pool_stats)(per_example)
+    _, raw = jax.vmap(px.ForwardHook(model, log_fn=px.IdentityLog()))(xs)
+    for path, batch in raw.items():
+        batch = np.asarray(batch)
+        np.testing.assert_allclose(pooled[path]["mean"], batch.mean(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(pooled[path]["std"], batch.std(), rtol=1e-4)
+        np.testing.assert_allclose(pooled[path]["near_zero"], np.mean(batch <= 0.05), rtol=1e-6)
+        np.testing.assert_array_equal(pooled[path]["hist"], np.histogram(batch, 40, (0, 10))[0])
