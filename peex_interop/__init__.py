@@ -22,6 +22,7 @@ from ._logs import (
     MeanStdLog as MeanStdLog,
     NoneLog as NoneLog,
 )
+from ._nnx import from_nnx as from_nnx, to_nnx as to_nnx, NnxModule as NnxModule
 from ._kinds import KINDS as KINDS
 from ._paths import module_paths as module_paths
 from ._recorder import Recorder as Recorder

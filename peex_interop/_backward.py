@@ -53,6 +53,7 @@ class BackwardHook(AbstractHookWrapper):
         layer_names: Sequence[str] | None = None,
         *,
         where: Any = None,
+        rename: dict[str, str] | None = None,
     ):
         """**Arguments:**
 
@@ -63,9 +64,10 @@ class BackwardHook(AbstractHookWrapper):
             layer's `log` slot.
         - `log`: the slots; leave empty and call `.init(*args)`.
         - `pre_hook`: hook the inputs' cotangents instead of the output's.
-        - `layer_names`, `where`: which layers, as for `px.ForwardHook`.
+        - `layer_names`, `where`, `rename`: which layers and their log keys, as for
+            `px.ForwardHook`.
         """
-        selection = selection_fields(model, "BackwardHook", layer_names, where)
+        selection = selection_fields(model, "BackwardHook", layer_names, where, rename)
         self.model = model
         self.hook_fn = as_hook(hook_fn)
         self.log_fn = as_log(log_fn)
@@ -73,6 +75,7 @@ class BackwardHook(AbstractHookWrapper):
         self.pre_hook = pre_hook
         self.layer_names = selection.names
         self.where = selection.where
+        self.renames = selection.renames
 
     def init(self, *args: Any, **kwargs: Any) -> "BackwardHook":
         """Fill `log` with zero slots shaped for a call with these arguments.
@@ -95,7 +98,7 @@ class BackwardHook(AbstractHookWrapper):
         slots = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         return BackwardHook(
             self.model, self.hook_fn, self.log_fn, slots, self.pre_hook,
-            self.layer_names, where=self.where,
+            self.layer_names, where=self.where, rename=self.selection.rename,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

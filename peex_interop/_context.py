@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import HookError, TransformError
+from ._kinds import layer_kind
 from ._paths import join, walk
 from ._selection import Selection
 
@@ -34,6 +35,7 @@ class Site:
     key: str
     owner: Any
     module: Any
+    kind: str
     call: Callable[..., Any]
     args: tuple
     kwargs: dict
@@ -148,12 +150,14 @@ class HookContext:
     def run(self, call, owner, local, path, module, *args, **kwargs):
         self.frames.append((owner, local))
         try:
-            if not self.policy.selection.selects(path, module):
+            kind = layer_kind(owner, module)
+            if not self.policy.selection.selects(path, module, kind):
                 return call(*args, **kwargs)
             count = self.counts.get(path, 0)
             self.counts[path] = count + 1
-            key = path if count == 0 else f"{path}@{count}"
-            return self.policy.run_site(self, Site(path, key, owner, module, call, args, kwargs))
+            name = self.policy.selection.rename.get(path, path)
+            key = name if count == 0 else f"{name}@{count}"
+            return self.policy.run_site(self, Site(path, key, owner, module, kind, call, args, kwargs))
         finally:
             self.frames.pop()
 

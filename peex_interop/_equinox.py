@@ -27,9 +27,5 @@ def _hooked_call(original: Any) -> Any:
 def class_patches(types: Iterable[type]) -> list[tuple[type, str, Any]]:
     """Patch targets for the `__call__` of each module type (wrappers excluded: they are
     transparent and run their own context)."""
-    return [
-        (cls, "__call__", _hooked_call)
-        for cls in sorted(types, key=lambda c: (c.__module__, c.__qualname__))
-        if not issubclass(cls, AbstractTransparent)
-        and any("__call__" in vars(klass) for klass in cls.__mro__[:-1])
-    ]
+    layers = [cls for cls in types if not issubclass(cls, AbstractTransparent)]
+    return _patching.method_patches(layers, "__call__", _hooked_call)

@@ -46,6 +46,7 @@ class ForwardHook(AbstractHookWrapper):
         layer_names: Sequence[str] | None = None,
         *,
         where: Any = None,
+        rename: dict[str, str] | None = None,
         pre_hook_fn: Any = None,
         pre_log_fn: Any = None,
     ):
@@ -60,13 +61,16 @@ class ForwardHook(AbstractHookWrapper):
         - `layer_names`: exact dotted paths to hook (peex); `None` for all layers.
         - `where`: glob pattern(s) over dotted paths (`*` one segment, `**` any depth),
             module type(s), predicate(s) `(path, module) -> bool`, or a sequence mixing
-            them (a layer is hooked if any matches).
+            them (a layer is hooked if any matches); `px.kind("linear")` selects a
+            library-independent kind.
+        - `rename`: `{path: key}`: log these layers under other keys (e.g. the keys of
+            the model this one was ported from; see `px.rename`).
         - `pre_hook_fn`, `pre_log_fn`: hook and log of `(args, kwargs)` before the layer
             runs, independent of the post-hook.
 
         A plain callable is accepted wherever a hook or log is, and wrapped.
         """
-        selection = selection_fields(model, "ForwardHook", layer_names, where)
+        selection = selection_fields(model, "ForwardHook", layer_names, where, rename)
         self.model = model
         self.hook_fn = as_hook(hook_fn)
         self.log_fn = as_log(log_fn)
@@ -74,6 +78,7 @@ class ForwardHook(AbstractHookWrapper):
         self.pre_hook = pre_hook
         self.layer_names = selection.names
         self.where = selection.where
+        self.renames = selection.renames
         self.pre_hook_fn = as_hook(pre_hook_fn)
         self.pre_log_fn = as_log(pre_log_fn)
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import equinox as eqx
 
+from ._paths import AbstractConverted
+
 KINDS = (
     "linear", "conv", "attention", "norm", "embedding", "dropout", "recurrent",
     "pool", "activation", "container", "other",
@@ -42,3 +44,11 @@ EQUINOX_KINDS: dict[type, str] = {
     eqx.nn.Sequential: "container",
     eqx.nn.MLP: "container",
 }
+
+
+def layer_kind(owner: Any, module: Any) -> str:
+    """The kind of `module` called as a layer of `owner`: converted models know their
+    library's classes; everything else is an Equinox module."""
+    if isinstance(owner, AbstractConverted) and owner is not module:
+        return owner.layer_kind(module)
+    return kind_of(module, EQUINOX_KINDS)

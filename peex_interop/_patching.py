@@ -73,3 +73,20 @@ def patched(
 def is_patched(owner: Any, name: str) -> bool:
     with _lock:
         return (id(owner), name) in _installed
+
+
+def defines(cls: type, name: str) -> bool:
+    """Whether `cls` has its own or an inherited `name` (not counting `object`)."""
+    return any(name in vars(klass) for klass in cls.__mro__[:-1])
+
+
+def method_patches(
+    types: Iterable[type], name: str, make: Callable[[Any], Any]
+) -> list[tuple[type, str, Callable[[Any], Any]]]:
+    """Targets replacing method `name` of each type that has one, in a stable order (so
+    overlapping calls install and remove patches consistently)."""
+    return [
+        (cls, name, make)
+        for cls in sorted(types, key=lambda c: (c.__module__, c.__qualname__))
+        if defines(cls, name)
+    ]

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 from ._errors import HookError
+from ._kinds import KINDS
 
 
 Predicate = Callable[[str, Any], bool]
@@ -36,11 +37,57 @@ def glob_to_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out) + r"\Z")
 
 
-def _matches(criterion: Criterion, path: str, module: Any) -> bool:
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """Selects layers of library-independent kinds (`px.KINDS`): `px.kind("linear")`
+    selects `eqx.nn.Linear`, `hk.Linear` and `nnx.Linear` alike."""
+
+    kinds: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Not:
+    """Selects the layers its criterion does not select."""
+
+    criterion: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class AllOf:
+    """Selects the layers every one of its criteria selects."""
+
+    criteria: tuple[Any, ...]
+
+
+def kind(*kinds: str) -> Kind:
+    """A `where=` criterion: layers of any of these kinds (see `px.KINDS`)."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise HookError(f"unknown layer kinds {unknown}; kinds are: {', '.join(KINDS)}")
+    return Kind(kinds)
+
+
+def not_(criterion: Any) -> Not:
+    """A `where=` criterion: every layer that `criterion` does not select."""
+    return Not(criterion)
+
+
+def all_of(*criteria: Any) -> AllOf:
+    """A `where=` criterion: layers that all of `criteria` select."""
+    return AllOf(criteria)
+
+
+def _matches(criterion: Any, path: str, module: Any, layer_kind: str) -> bool:
     if isinstance(criterion, str):
         return glob_to_regex(criterion).match(path) is not None
     if isinstance(criterion, type):
         return _is_kind(module, criterion)
+    if isinstance(criterion, Kind):
+        return layer_kind in criterion.kinds
+    if isinstance(criterion, Not):
+        return not _matches(criterion.criterion, path, module, layer_kind)
+    if isinstance(criterion, AllOf):
+        return all(_matches(c, path, module, layer_kind) for c in criterion.criteria)
     return bool(criterion(path, module))
 
 
@@ -51,7 +98,7 @@ def _is_kind(module: Any, kind: type) -> bool:
 def _as_tuple(value: Any) -> tuple | None:
     if value is None:
         return None
-    if isinstance(value, (str, type)) or callable(value):
+    if isinstance(value, (str, type, Kind, Not, AllOf)) or callable(value):
         return (value,)
     return tuple(value)
 
@@ -59,22 +106,30 @@ def _as_tuple(value: Any) -> tuple | None:
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """A call site is selected when its path is one of `names` (if given) and it matches
-    any criterion of `where` (if given). The root model itself is never selected."""
+    any criterion of `where` (if given). The root model itself is never selected.
+    `renames` maps paths to the keys their logs get (`px.rename`)."""
 
     names: tuple[str, ...] | None = None
     where: tuple[Criterion, ...] | None = None
+    renames: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def make(cls, layer_names: Sequence[str] | None, where: Any) -> "Selection":
-        return cls(_as_tuple(layer_names), _as_tuple(where))
+    def make(
+        cls, layer_names: Sequence[str] | None, where: Any, rename: dict[str, str] | None = None
+    ) -> "Selection":
+        return cls(_as_tuple(layer_names), _as_tuple(where), tuple(sorted((rename or {}).items())))
 
-    def selects(self, path: str, module: Any) -> bool:
+    @property
+    def rename(self) -> dict[str, str]:
+        return dict(self.renames)
+
+    def selects(self, path: str, module: Any, layer_kind: str = "other") -> bool:
         if path == "":
             return False
         if self.names is not None and path not in self.names:
             return False
         if self.where is not None:
-            return any(_matches(c, path, module) for c in self.where)
+            return any(_matches(c, path, module, layer_kind) for c in self.where)
         return True
 
     def validate(self, modules: dict[str, Any], model_name: str) -> None:
@@ -86,7 +141,7 @@ class Selection:
                 raise HookError(_no_match("layer name", name, paths, model_name))
         for criterion in self.where or ():
             if isinstance(criterion, str):
-                if not any(_matches(criterion, p, modules[p]) for p in paths):
+                if not any(glob_to_regex(criterion).match(p) for p in paths):
                     raise HookError(_no_match("where pattern", criterion, paths, model_name))
             elif isinstance(criterion, type):
                 known = [modules[p] for p in paths if modules[p] is not None]
@@ -98,7 +153,7 @@ class Selection:
                         f"where type {criterion.__name__} matches no layer of "
                         f"{model_name}; its layers are of types: {', '.join(kinds)}"
                     )
-            elif not callable(criterion):
+            elif not (callable(criterion) or isinstance(criterion, (Kind, Not, AllOf))):
                 raise HookError(
                     "where= takes glob patterns (str), module types, predicates "
                     f"(path, module) -> bool, or a sequence of those; got {criterion!r}"

@@ -10,7 +10,6 @@ import jax.tree_util as jtu
 
 from ._context import HookContext, Site
 from ._engine import hooking
-from ._kinds import EQUINOX_KINDS, kind_of
 from ._paths import AbstractConverted
 from ._selection import Selection
 
@@ -68,13 +67,11 @@ class _Recorder:
     def run_site(self, context: HookContext, site: Site) -> Any:
         output = site.call(*site.args, **site.kwargs)
         if isinstance(site.owner, AbstractConverted) and site.owner is not site.module:
-            kind = site.owner.layer_kind(site.module)
             trainable, other = site.owner.layer_parameter_counts(site.module)
         else:
-            kind = kind_of(site.module, EQUINOX_KINDS)
             trainable, other = _counts(site.module)
         shapes = tuple(tuple(leaf.shape) for leaf in jtu.tree_leaves(output) if hasattr(leaf, "shape"))
-        self.rows.append(LayerRow(site.key, type(site.module).__name__, kind, trainable, other, shapes))
+        self.rows.append(LayerRow(site.key, type(site.module).__name__, site.kind, trainable, other, shapes))
         return output
 
 

@@ -15,19 +15,24 @@ class AbstractHookWrapper(AbstractTransparent):
 
     layer_names: tuple[str, ...] | None = eqx.field(static=True)
     where: tuple[Any, ...] | None = eqx.field(static=True)
+    renames: tuple[tuple[str, str], ...] = eqx.field(static=True)
 
     @property
     def selection(self) -> Selection:
-        return Selection(self.layer_names, self.where)
+        return Selection(self.layer_names, self.where, self.renames)
 
 
 def selection_fields(
-    model: Any, wrapper: str, layer_names: Sequence[str] | None, where: Any
+    model: Any,
+    wrapper: str,
+    layer_names: Sequence[str] | None,
+    where: Any,
+    rename: dict[str, str] | None,
 ) -> Selection:
     """Check the model and the selection once, at construction, and normalise both to
     hashable tuples (they are static fields)."""
     check_model(model, wrapper)
-    selection = Selection.make(layer_names, where)
+    selection = Selection.make(layer_names, where, rename)
     if paths_known(model):
         selection.validate(module_paths(model), type(model).__name__)
     return selection

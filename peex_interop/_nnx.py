@@ -1,0 +1,338 @@
+"""The Flax NNX adapter: an NNX module as an `eqx.Module`, its submodule calls as call
+sites.
+
+`from_nnx` splits a module into a static graph definition and a state whose arrays are
+the pytree leaves. Every call merges a *copy* (`nnx.merge(..., copy=True)`), so the
+user's module is never mutated, and runs it. While a hooking context is active in the
+calling thread, `__call__` of every NNX module class of the model is replaced for the
+duration of the call by one that hands the call to `_context.call_site`, named by the
+submodule's NNX path. A submodule is named, in this order:
+
+1. by identity, from the merged module (a shared submodule: its first path);
+2. as a descendant of the module whose call is running (modules NNX rebuilds inside a
+   transformed body hold their children as new objects too);
+3. by its arrays: `nnx.scan`/`nnx.vmap`/`nnx.remat` hand their bodies fresh module
+   objects whose Variables hold the body's input tracers; `_context.origin` maps those
+   back to the merged module's arrays, whose NNX paths are known.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from flax import nnx
+from jaxtyping import PyTree
+
+from . import _context, _patching
+from ._errors import HookError
+from ._kinds import kind_of
+from ._paths import AbstractConverted
+
+Path = tuple[str, ...]
+
+NNX_KINDS: dict[type, str] = {
+    nnx.Linear: "linear",
+    nnx.LinearGeneral: "linear",
+    nnx.Einsum: "linear",
+    nnx.Conv: "conv",
+    nnx.ConvTranspose: "conv",
+    nnx.MultiHeadAttention: "attention",
+    nnx.LayerNorm: "norm",
+    nnx.BatchNorm: "norm",
+    nnx.GroupNorm: "norm",
+    nnx.RMSNorm: "norm",
+    nnx.InstanceNorm: "norm",
+    nnx.Embed: "embedding",
+    nnx.Dropout: "dropout",
+    nnx.RNNCellBase: "recurrent",
+    nnx.RNN: "recurrent",
+    nnx.Bidirectional: "recurrent",
+    nnx.Sequential: "container",
+    nnx.List: "container",
+}
+
+
+class NnxModule(AbstractConverted):
+    """A Flax NNX module as an `eqx.Module`: the graph definition is static, the state
+    (parameters, batch statistics, RNG keys and counts) is the pytree's leaves. Build
+    it with `px.from_nnx`; get a live NNX module back with `px.to_nnx`.
+
+    Calling it calls the NNX module with the same arguments on a copy of the state.
+    With `return_state=True` the call returns `(output, updated)`, where `updated` is
+    this `NnxModule` holding the state the call left behind (BatchNorm statistics,
+    advanced RNG counts); otherwise state updates are dropped, as in any pure function.
+    """
+
+    graphdef: nnx.GraphDef = eqx.field(static=True)
+    state: nnx.State
+    return_state: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        """Run the NNX module on a copy of this state.
+
+        **Arguments:**
+
+        - `*args`, `**kwargs`: the NNX module's own arguments.
+
+        **Returns:**
+
+        The module's output; with `return_state=True`, `(output, updated)`.
+        """
+        module = self._merged()
+        with _routing(self, module):
+            output = module(*args, **kwargs)
+        if not self.return_state:
+            return output
+        return output, _convert(module, self.return_state)
+
+    def layers(self) -> dict[Path, nnx.Module]:
+        """NNX path -> submodule, for `where=` validation and `px.module_paths`.
+
+        **Returns:**
+
+        Every callable submodule of the NNX module (containers such as `nnx.List`
+        are not layers), by path (tuple of str); the root is not included.
+        """
+        return {
+            path: module
+            for path, module in _paths(self._merged())
+            if path and _patching.defines(type(module), "__call__")
+        }
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """`(trainable, non_trainable)`: sizes of the `nnx.Param` arrays, and of the
+        other float arrays (BatchNorm statistics); RNG keys and counts are not counted."""
+        return _parameter_counts(self.state)
+
+    def layer_parameter_counts(self, module: nnx.Module) -> tuple[int, int]:
+        """As `parameter_counts`, for one submodule during its call (one layer of a
+        scanned stack)."""
+        return _parameter_counts(nnx.state(module))
+
+    def layer_kind(self, module: nnx.Module) -> str:
+        """The library-independent kind (`px.KINDS`) of an NNX submodule."""
+        return kind_of(module, NNX_KINDS)
+
+    def train(self, **attributes: Any) -> "NnxModule":
+        """The NNX `module.train()`, functionally.
+
+        **Arguments:**
+
+        - `**attributes`: further attributes to set, as for `nnx.Module.train`.
+
+        **Returns:**
+
+        A copy with `deterministic=False` and `use_running_average=False` wherever a
+        submodule has them (Dropout and BatchNorm in training mode).
+        """
+        module = self._merged()
+        module.train(**attributes)
+        return _convert(module, self.return_state)
+
+    def eval(self, **attributes: Any) -> "NnxModule":
+        """The NNX `module.eval()`, functionally.
+
+        **Arguments:**
+
+        - `**attributes`: further attributes to set, as for `nnx.Module.eval`.
+
+        **Returns:**
+
+        A copy with `deterministic=True` and `use_running_average=True` wherever a
+        submodule has them.
+        """
+        module = self._merged()
+        module.eval(**attributes)
+        return _convert(module, self.return_state)
+
+    def _merged(self) -> nnx.Module:
+        # Without copy=True the merged module would share Variable objects with this
+        # state: eager calls would mutate it, traced ones raise TraceContextError.
+        return nnx.merge(self.graphdef, self.state, copy=True)
+
+
+def _parameter_counts(state: nnx.State) -> tuple[int, int]:
+    trainable = other = 0
+    for variable in jtu.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        value = variable.get_value()
+        if not jnp.issubdtype(value.dtype, jnp.inexact):
+            continue
+        if isinstance(variable, nnx.Param):
+            trainable += value.size
+        else:
+            other += value.size
+    return trainable, other
+
+
+def _convert(module: nnx.Module, return_state: bool) -> NnxModule:
+    graphdef, state = nnx.split(module)
+    # split returns the module's own Variable objects; rebuilding the tree gives new
+    # ones, so later changes to the live module cannot reach the converted one.
+    return NnxModule(graphdef, jtu.tree_map(lambda x: x, state), return_state)
+
+
+def from_nnx(module: nnx.Module, *, return_state: bool = False) -> NnxModule:
+    """Convert a Flax NNX module into an `eqx.Module` that every hook wrapper accepts.
+
+    **Arguments:**
+
+    - `module`: the NNX module (it is copied and never mutated).
+    - `return_state`: if `True`, calls return `(output, updated)` so that state updates
+        (BatchNorm statistics, RNG counts) can be carried forward.
+
+    **Returns:**
+
+    An `NnxModule` called with the module's own arguments. Its layers are the NNX
+    submodules, by dotted NNX path (`blocks.0.lin`).
+    """
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            f"from_nnx converts a flax.nnx.Module, got {type(module).__module__}."
+            f"{type(module).__qualname__}"
+        )
+    return _convert(module, return_state)
+
+
+def to_nnx(converted: NnxModule) -> nnx.Module:
+    """A live NNX module holding the converted module's current state (e.g. after
+    training it with `eqx.filter_grad` and optax).
+
+    **Arguments:**
+
+    - `converted`: an `NnxModule`.
+
+    **Returns:**
+
+    A new NNX module; it shares no Variable with `converted` or with the module it was
+    converted from.
+    """
+    return converted._merged()
+
+
+# -- naming submodules during a call -------------------------------------------------
+def _paths(root: nnx.Module) -> list[tuple[Path, nnx.Module]]:
+    # iter_modules yields a shared module once, under its first path.
+    return [(_as_path(path), module) for path, module in nnx.iter_modules(root)]
+
+
+def _as_path(parts: Iterable[Any]) -> Path:
+    return tuple(str(part) for part in parts)
+
+
+def _variables(node: nnx.Module) -> Iterable[tuple[Path, Any]]:
+    for path, value in nnx.graph.iter_graph(node):
+        if isinstance(value, nnx.Variable):
+            yield _as_path(path), value.get_value()
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One hooked call of one `NnxModule`: how its submodules are named."""
+
+    owner: NnxModule
+    root: nnx.Module
+    ids: dict[int, Path]
+    running: list[tuple[nnx.Module, Path]] = dataclasses.field(default_factory=list)
+    arrays: dict[int, Path] = dataclasses.field(default_factory=dict)
+
+    def path_of(self, module: nnx.Module) -> Path:
+        path = self.ids.get(id(module))
+        if path is None:
+            path = self._as_descendant(module)
+        if path is None:
+            path = self._by_arrays(module)
+        if path is None:
+            raise HookError(self._unnamed(module))
+        return path
+
+    def _as_descendant(self, module: nnx.Module) -> Path | None:
+        if not self.running:
+            return None
+        parent, parent_path = self.running[-1]
+        for relative, node in nnx.graph.iter_graph(parent):
+            if node is module:
+                return parent_path + _as_path(relative)
+        return None
+
+    def _by_arrays(self, module: nnx.Module) -> Path | None:
+        for relative, value in _variables(module):
+            found = self._array_path(_context.origin(value))
+            if found is not None and found[-len(relative) :] == relative:
+                return found[: -len(relative)]
+        return None
+
+    def _array_path(self, array: Any) -> Path | None:
+        # Eager calls replace arrays as they go (BatchNorm statistics, RNG counts):
+        # index the root's current values again before giving up.
+        if id(array) not in self.arrays:
+            self.arrays = {id(value): path for path, value in _variables(self.root)}
+        return self.arrays.get(id(array))
+
+    def _unnamed(self, module: nnx.Module) -> str:
+        caller = ".".join(self.running[-1][1]) if self.running else ""
+        return (
+            f"cannot name the {type(module).__name__} called from NNX path {caller!r}: "
+            "it is not a submodule of the converted model, and none of its arrays "
+            "comes from the model's state through a transform peex_interop threads "
+            "(a module created during the call, or an NNX transform built before "
+            "hooking began, e.g. nnx.vmap/nnx.remat applied at import time). Create "
+            "submodules in __init__ and apply NNX transforms inside __call__."
+        )
+
+
+_thread = threading.local()
+
+
+def _calls() -> list[_Call]:
+    try:
+        return _thread.calls
+    except AttributeError:
+        _thread.calls = []
+        return _thread.calls
+
+
+def _routed_call(original: Callable) -> Callable:
+    def __call__(self, *args, **kwargs):
+        calls = _calls()
+        if not calls or not _context.active():
+            return original(self, *args, **kwargs)
+        call = calls[-1]
+        path = call.path_of(self)
+        call.running.append((self, path))
+        try:
+            return _context.call_site(
+                call.owner, functools.partial(original, self), args, kwargs,
+                local=path, module=self,
+            )
+        finally:
+            call.running.pop()
+
+    setattr(__call__, _patching.ORIGINAL, original)
+    return __call__
+
+
+
+
+@contextlib.contextmanager
+def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
+    """While hooking is active in this thread, route the NNX submodule calls of one
+    `NnxModule` call to call sites; otherwise a plain call costs nothing."""
+    if not _context.active():
+        yield
+        return
+    paths = _paths(root)
+    call = _Call(owner, root, {id(module): path for path, module in paths})
+    calls = _calls()
+    types = {type(module) for _, module in paths}
+    with _patching.patched(_patching.method_patches(types, "__call__", _routed_call)):
+        calls.append(call)
+        try:
+            yield
+        finally:
+            calls.remove(call)

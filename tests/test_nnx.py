@@ -1,0 +1,588 @@
+"""Flax NNX models converted with `px.from_nnx`: outputs, names, logs against
+`nnx.capture`, backward logs against `jax.vjp` and NNX's `perturb`, state, transforms,
+training and the way back, patch scoping and threads."""
+
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import peex_interop as px
+from peex_interop import _patching
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+# -- models ----------------------------------------------------------------------------
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.linear1 = nnx.Linear(3, 5, rngs=rngs)
+        self.linear2 = nnx.Linear(5, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear2(jax.nn.relu(self.linear1(x)))
+
+
+class CNN(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(2, 4, kernel_size=(3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.drop(jax.nn.relu(self.bn(self.conv(x))))
+        return self.head(h.mean(axis=(1, 2)))
+
+
+class TransformerBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(11, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, 8, decode=False, rngs=rngs)
+        self.mlp = nnx.Sequential(nnx.Linear(8, 16, rngs=rngs), jax.nn.gelu, nnx.Linear(16, 8, rngs=rngs))
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(self.norm(x)))
+
+
+class Stack(nnx.Module):
+    """nnx.remat, a stack built with nnx.vmap and run with nnx.scan, and an ensemble run
+    with nnx.vmap, all inside the call."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(3, 4, rngs=rngs)
+        self.blocks = nnx.vmap(lambda k: Block(nnx.Rngs(k)))(jax.random.split(rngs.params(), 3))
+        self.heads = nnx.vmap(lambda k: nnx.Linear(4, 2, rngs=nnx.Rngs(k)))(jax.random.split(rngs.params(), 2))
+
+    def __call__(self, x):
+        x = nnx.remat(lambda m, x: m(x))(self.inp, x)
+        x = nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(self.heads, x).mean(0)
+
+
+class Containers(nnx.Module):
+    """nnx.Sequential, nnx.List and a list held with nnx.data."""
+
+    def __init__(self, rngs):
+        self.seq = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), jax.nn.relu, nnx.Linear(4, 4, rngs=rngs))
+        self.listed = nnx.List([nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)])
+        self.data = nnx.data([nnx.LayerNorm(4, rngs=rngs)])
+
+    def __call__(self, x):
+        x = self.seq(x)
+        for layer in self.listed:
+            x = layer(x)
+        return self.data[0](x)
+
+
+class Scaled(nnx.Linear):
+    """Overrides __call__ and calls super().__call__."""
+
+    def __call__(self, x):
+        return 2.0 * super().__call__(x)
+
+
+class Inherited(nnx.Linear):
+    """Inherits __call__ from a class that is not otherwise in the model."""
+
+
+class Family(nnx.Module):
+    """A subclass calling super().__call__, one inheriting __call__, and a submodule
+    shared by two parents."""
+
+    def __init__(self, rngs):
+        self.scaled = Scaled(3, 3, rngs=rngs)
+        self.inherited = Inherited(3, 3, rngs=rngs)
+        shared = nnx.Linear(3, 3, rngs=rngs)
+        self.left = nnx.Sequential(shared)
+        self.right = nnx.Sequential(shared)
+
+    def __call__(self, x):
+        return self.right(self.left(self.inherited(self.scaled(x))))
+
+
+def rnn():
+    return nnx.RNN(nnx.LSTMCell(3, 4, rngs=nnx.Rngs(0)))
+
+
+def key(i):
+    return jax.random.key(i)
+
+
+MODELS = {
+    "mlp": (lambda: MLP(nnx.Rngs(0)), lambda: jax.random.normal(key(1), (2, 3))),
+    "cnn_train": (lambda: CNN(nnx.Rngs(0)), lambda: jax.random.normal(key(1), (2, 5, 5, 2))),
+    "cnn_eval": (lambda: nnx.view(CNN(nnx.Rngs(0)), deterministic=True, use_running_average=True), lambda: jax.random.normal(key(1), (2, 5, 5, 2))),
+    "transformer": (lambda: TransformerBlock(nnx.Rngs(0)), lambda: jax.random.randint(key(1), (2, 5), 0, 11)),
+    "stack": (lambda: Stack(nnx.Rngs(0)), lambda: jax.random.normal(key(1), (2, 3))),
+    "containers": (lambda: Containers(nnx.Rngs(0)), lambda: jax.random.normal(key(1), (2, 3))),
+    "family": (lambda: Family(nnx.Rngs(0)), lambda: jax.random.normal(key(1), (2, 3))),
+    "rnn": (rnn, lambda: jax.random.normal(key(1), (2, 5, 3))),
+}
+
+
+def make(name):
+    model, x = MODELS[name]
+    return model(), x()
+
+
+def snapshot(module_or_state):
+    state = module_or_state if isinstance(module_or_state, nnx.State) else nnx.state(module_or_state)
+    return jax.tree.map(lambda a: np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a), state)
+
+
+def assert_same_state(a, b):
+    jax.tree.map(np.testing.assert_array_equal, snapshot(a), snapshot(b))
+
+
+def captured(module, x):
+    """`nnx.capture`'s record of every `__call__` output, keyed like the package's logs."""
+    _, state = nnx.capture(module, nnx.Intermediate, method_outputs=nnx.Intermediate)(x)
+    logs = {}
+    for path, variable in nnx.to_flat_state(state):
+        *where, method = path
+        if method != "__call__" or not where:
+            continue
+        name = ".".join(map(str, where))
+        for count, value in enumerate(variable.get_value()):
+            logs[name if count == 0 else f"{name}@{count}"] = value
+    return logs
+
+
+# -- outputs, names, forward logs --------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_converted_and_identity_hooked_outputs_equal_the_modules(name):
+    model, x = make(name)
+    converted = px.from_nnx(model)
+    # Each call runs on the converted state, which the module's own call then advances.
+    expected = nnx.clone(model)(x)
+    close(converted(x), expected)
+    output, log = px.ForwardHook(converted, hook_fn=px.IdentityHook())(x)
+    close(output, expected)
+    assert log == {}
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn_train", "cnn_eval", "transformer", "stack", "containers", "family"])
+def test_logs_equal_nnx_capture(name):
+    model, x = make(name)
+    _, log = px.ForwardHook(px.from_nnx(model), log_fn=px.IdentityLog())(x)
+    expected = captured(nnx.clone(model), x)
+    if name == "family":
+        # capture also sows what super().__call__ returns, as a first call of `scaled`;
+        # here a module's call is one call site.
+        close(expected.pop("scaled"), log["scaled"] / 2)
+        expected["scaled"] = expected.pop("scaled@1")
+    assert set(log) == set(expected)
+    jax.tree.map(close, log, expected)
+
+
+def test_paths_of_library_internals_inheritance_and_shared_modules():
+    _, log = px.ForwardHook(px.from_nnx(TransformerBlock(nnx.Rngs(0))), log_fn=px.MeanLog())(jnp.zeros((1, 3), int))
+    assert {"attn.query", "attn.key", "attn.value", "attn.out", "mlp.layers.0", "mlp.layers.2", "embed"} <= set(log)
+    _, log = px.ForwardHook(px.from_nnx(Family(nnx.Rngs(0))), log_fn=px.MeanLog())(jnp.ones(3))
+    # super().__call__ is not a second call; the shared Linear is named by its first
+    # path and its second call does not overwrite the first.
+    assert set(log) == {"scaled", "inherited", "left", "left.layers.0", "right", "left.layers.0@1"}
+    _, log = px.ForwardHook(px.from_nnx(Containers(nnx.Rngs(0))), log_fn=px.MeanLog())(jnp.ones(3))
+    assert set(log) == {"seq", "seq.layers.0", "seq.layers.2", "listed.0", "listed.1", "data.0"}
+
+
+def test_where_and_layer_names_use_nnx_paths_and_types():
+    converted = px.from_nnx(Stack(nnx.Rngs(0)))
+    x = jnp.ones((2, 3))
+    _, log = px.ForwardHook(converted, log_fn=px.MeanLog(), where=nnx.LayerNorm)(x)
+    assert set(log) == {"blocks.norm"}
+    _, log = px.ForwardHook(converted, log_fn=px.MeanLog(), layer_names=["blocks.lin", "inp"])(x)
+    assert set(log) == {"blocks.lin", "inp"}
+    with pytest.raises(px.HookError, match="closest available paths: blocks.lin"):
+        px.ForwardHook(converted, where="block.lin")
+
+
+def test_converted_module_inside_an_equinox_model_is_named_under_its_field():
+    class Hybrid(eqx.Module):
+        encoder: px.NnxModule
+        head: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.head(self.encoder(x))
+
+    mlp = MLP(nnx.Rngs(0))
+    hybrid = Hybrid(px.from_nnx(mlp), eqx.nn.Linear(2, 1, key=key(0)))
+    x = jnp.arange(3.0)
+    _, log = eqx.filter_jit(hooked_call)(px.ForwardHook(hybrid, log_fn=px.IdentityLog()), x)
+    assert set(log) == {"encoder", "encoder.linear1", "encoder.linear2", "head"}
+    close(log["encoder.linear1"], mlp.linear1(x))
+    close(log["encoder"], mlp(x))
+
+
+def test_scanned_stack_logs_are_stacked_per_layer():
+    model = Stack(nnx.Rngs(0))
+    x = jax.random.normal(key(1), (2, 3))
+    _, log = px.ForwardHook(px.from_nnx(model), log_fn=px.IdentityLog())(x)
+    assert log["blocks.lin"].shape == (3, 2, 4) and log["heads"].shape == (2, 2, 2)
+    graphdef, state = nnx.split(model.blocks)
+    h = model.inp(x)
+    for i in range(3):
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+        close(log["blocks.lin"][i], block.lin(block.norm(h)))
+        h = block(h)
+        close(log["blocks"][i], h)
+
+
+def test_rnn_cell_logs_per_time_step():
+    model = rnn()
+    x = jax.random.normal(key(1), (2, 5, 3))
+    _, log = px.ForwardHook(px.from_nnx(model), log_fn=px.IdentityLog())(x)
+    cell = model.cell
+    carry = cell.initialize_carry((2, 3), nnx.Rngs(0))
+    for t in range(5):
+        carry, y = cell(carry, x[:, t])
+        close(log["cell"][1][t], y)
+        close(log["cell.ii"][t], cell.ii(x[:, t]))
+
+
+def test_same_line_on_equinox_model_and_its_nnx_twin():
+    eqx_mlp = eqx.nn.MLP(3, 2, 5, depth=1, key=key(0))
+    twin = nnx.Sequential(nnx.Linear(3, 5, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(5, 2, rngs=nnx.Rngs(0)))
+    for i, index in enumerate((0, 2)):
+        twin.layers[index].kernel.set_value(eqx_mlp.layers[i].weight.T)
+        twin.layers[index].bias.set_value(eqx_mlp.layers[i].bias)
+    x = jnp.arange(3.0)
+    logs = {}
+    for name, model in (("equinox", eqx_mlp), ("nnx", px.from_nnx(twin))):
+        _, logs[name] = px.ForwardHook(model, log_fn=px.MeanStdLog())(x)
+    assert set(logs["equinox"]) == {"layers.0", "layers.1"}
+    assert set(logs["nnx"]) == {"layers.0", "layers.2"}
+    close(logs["equinox"]["layers.0"], logs["nnx"]["layers.0"])
+    close(logs["equinox"]["layers.1"], logs["nnx"]["layers.2"])
+
+
+def test_parameter_counts_and_summary_rows_match_hand_counts():
+    assert px.total_params(px.from_nnx(nnx.Linear(10, 32, rngs=nnx.Rngs(0)))) == (352, 0)
+    # BatchNorm's running mean and variance are not trained; RNG state is not counted.
+    assert px.total_params(px.from_nnx(CNN(nnx.Rngs(0)))) == (2 * 4 * 9 + 4 + 8 + 4 * 3 + 3, 8)
+    rows = px.summary(px.from_nnx(Stack(nnx.Rngs(0))), jnp.ones((2, 3))).rows
+    # Layers inside nnx.scan / nnx.vmap report one layer / one ensemble member.
+    assert [(r.path, r.kind, r.trainable) for r in rows] == [
+        ("inp", "linear", 3 * 4 + 4), ("blocks.norm", "norm", 8), ("blocks.lin", "linear", 20),
+        ("blocks", "other", 28), ("heads", "linear", 4 * 2 + 2),
+    ]
+
+
+# -- backward --------------------------------------------------------------------------
+def grad_logs(converted, x, **options):
+    hooked = px.BackwardHook(converted, log_fn=px.IdentityLog(), **options).init(x)
+    return eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2))(hooked, x).log
+
+
+def test_backward_logs_equal_vjp_of_the_rest_of_the_mlp():
+    model = MLP(nnx.Rngs(0))
+    x = jax.random.normal(key(1), (2, 3))
+    log = grad_logs(px.from_nnx(model), x)
+    h1 = model.linear1(x)
+    _, vjp = jax.vjp(lambda h: model.linear2(jax.nn.relu(h)), h1)
+    close(log["linear2"], 2 * model(x))
+    close(log["linear1"], vjp(2 * model(x))[0])
+
+
+def test_backward_logs_equal_nnx_perturb_and_grad():
+    class Perturbed(MLP):
+        def __call__(self, x):
+            h = self.perturb("linear1", self.linear1(x))
+            return self.linear2(jax.nn.relu(h))
+
+    model = Perturbed(nnx.Rngs(0))
+    x = jax.random.normal(key(1), (2, 3))
+    _, perturbations = nnx.capture(model, nnx.Perturbation)(x)
+
+    def loss(model, perturbations, x):
+        return jnp.sum(nnx.capture(model, init=perturbations)(x) ** 2)
+
+    expected = nnx.grad(loss, argnums=1)(model, perturbations, x)["linear1"].get_value()
+    close(grad_logs(px.from_nnx(MLP(nnx.Rngs(0))), x)["linear1"], expected)
+
+
+def test_backward_logs_inside_nnx_scan_are_per_layer():
+    model = Stack(nnx.Rngs(0))
+    x = jax.random.normal(key(1), (2, 3))
+    log = grad_logs(px.from_nnx(model), x, where="blocks")
+    graphdef, state = nnx.split(model.blocks)
+    blocks = [nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)) for i in range(3)]
+    heads_graphdef, heads_state = nnx.split(model.heads)
+
+    def heads(h):
+        # NNX refuses a module from outside the trace in nnx.vmap: merge it inside.
+        ensemble = nnx.merge(heads_graphdef, heads_state, copy=True)
+        return nnx.vmap(lambda m, h: m(h), in_axes=(0, None))(ensemble, h).mean(0)
+
+    def rest(i):
+        def f(h):
+            for block in blocks[i + 1 :]:
+                h = block(h)
+            return jnp.sum(heads(h) ** 2)
+
+        return f
+
+    h = model.inp(x)
+    for i in range(3):
+        h = blocks[i](h)
+        close(log["blocks"][i], jax.grad(rest(i))(h))
+
+
+def test_backward_logs_inside_the_rnn_scan_are_per_time_step():
+    model = rnn()
+    x = jax.random.normal(key(1), (2, 5, 3))
+    log = grad_logs(px.from_nnx(model), x, where="cell.ii")
+    cell = model.cell
+
+    def loss(deltas):
+        # The LSTM step written out, with `deltas[t]` added to the output of cell.ii.
+        c, h = cell.initialize_carry((2, 3), nnx.Rngs(0))
+        hs = []
+        for t in range(5):
+            xt = x[:, t]
+            i = cell.gate_fn(cell.ii(xt) + deltas[t] + cell.hi(h))
+            f = cell.gate_fn(cell.if_(xt) + cell.hf(h))
+            g = cell.activation_fn(cell.ig(xt) + cell.hg(h))
+            o = cell.gate_fn(cell.io(xt) + cell.ho(h))
+            c = f * c + i * g
+            h = o * cell.activation_fn(c)
+            hs.append(h)
+        return jnp.sum(jnp.stack(hs, 1) ** 2)
+
+    close(log["cell.ii"], jax.grad(loss)(jnp.zeros((5, 2, 4))))
+
+
+def test_backward_edit_reaches_the_parameters():
+    model = MLP(nnx.Rngs(0))
+    x = jax.random.normal(key(1), (2, 3))
+    hooked = px.BackwardHook(px.from_nnx(model), hook_fn=lambda g: 0.0 * g, where="linear2").init(x)
+    grads = eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2))(hooked, x)
+    assert not np.any(grads.model.state["linear1"]["kernel"].get_value())
+
+
+# -- state -------------------------------------------------------------------------------
+def test_original_state_is_bit_identical_after_hooked_calls_in_train_mode():
+    model, x = make("cnn_train")
+    before = nnx.clone(model)
+    converted = px.from_nnx(model, return_state=True)
+    converted_before = snapshot(converted.state)
+    px.ForwardHook(converted, log_fn=px.IdentityLog())(x)
+    eqx.filter_jit(lambda h, x: h(x))(px.ForwardHook(converted, log_fn=px.MeanLog()), x)
+    hooked = px.BackwardHook(px.from_nnx(model), log_fn=px.IdentityLog()).init(x)
+    eqx.filter_grad(lambda h, x: jnp.sum(h(x)))(hooked, x)
+    converted.train()(x)
+    assert_same_state(model, before)
+    # The converted module is a value too: calls never change it.
+    jax.tree.map(np.testing.assert_array_equal, snapshot(converted.state), converted_before)
+
+
+def test_return_state_carries_batch_stats_and_rng_counts():
+    model, x = make("cnn_train")
+    converted = px.from_nnx(model, return_state=True)
+    (output, updated), _ = px.ForwardHook(converted, log_fn=px.MeanLog())(x)
+    reference = nnx.clone(model)
+    close(output, reference(x))
+    assert_same_state(px.to_nnx(updated), reference)
+    assert not np.allclose(reference.bn.mean.get_value(), model.bn.mean.get_value())
+    # A second call continues from the updated state: a fresh dropout mask.
+    close(eqx.filter_jit(lambda c, x: c(x))(updated, x)[0], reference(x))
+
+
+def test_train_and_eval_modes():
+    model, x = make("cnn_train")
+    evaluated = px.from_nnx(model).eval()
+    reference = nnx.clone(model)
+    reference.eval()
+    close(evaluated(x), reference(x))
+    close(evaluated(x), evaluated(x))
+    assert evaluated.train()(x).shape == (2, 3)
+    assert not np.allclose(evaluated.train()(x), evaluated(x))
+
+
+def test_rngs_passed_at_call_time():
+    model = nnx.Dropout(0.5)
+    x = jnp.ones((4, 4))
+    out = px.from_nnx(model)(x, rngs=nnx.Rngs(dropout=3))
+    np.testing.assert_array_equal(out, model(x, rngs=nnx.Rngs(dropout=3)))
+
+
+# -- transforms ------------------------------------------------------------------------
+def hooked_call(hooked, x):
+    return hooked(x)
+
+
+AROUND = {
+    "eager": lambda h, x: h(x),
+    "jit": lambda h, x: eqx.filter_jit(hooked_call)(h, x),
+    "remat": lambda h, x: eqx.filter_checkpoint(hooked_call)(h, x),
+    "grad": lambda h, x: eqx.filter_grad(lambda h, x: (jnp.sum(h(x)[0]), h(x)), has_aux=True)(h, x)[1],
+}
+
+
+@pytest.mark.parametrize("transform", sorted(AROUND))
+@pytest.mark.parametrize("name", ["stack", "cnn_train", "rnn"])
+def test_transforms_around_give_eager_values(transform, name):
+    model, x = make(name)
+    hooked = px.ForwardHook(px.from_nnx(model), log_fn=px.IdentityLog())
+    ref_out, ref_log = hooked(x)
+    with jax.checking_leaks():
+        out, log = AROUND[transform](hooked, x)
+    close(out, ref_out)
+    assert set(log) == set(ref_log)
+    jax.tree.map(close, log, ref_log)
+
+
+@pytest.mark.parametrize("name", ["stack", "cnn_eval"])
+def test_vmap_and_scan_around_stack_per_example(name):
+    model, x = make(name)
+    xs = jnp.stack([x, 2 * x, -x])
+    hooked = px.ForwardHook(px.from_nnx(model), log_fn=px.MeanStdLog())
+    with jax.checking_leaks():
+        out, log = eqx.filter_vmap(hooked_call, in_axes=(None, 0))(hooked, xs)
+        _, (outs, logs) = jax.lax.scan(lambda c, x: (c, hooked(x)), None, xs)
+    for i in range(3):
+        ref_out, ref_log = hooked(xs[i])
+        for o, lg in ((out, log), (outs, logs)):
+            close(o[i], ref_out)
+            jax.tree.map(lambda a, b: close(a[i], b), lg, ref_log)
+
+
+def test_backward_under_jit_and_checking_leaks():
+    model, x = make("stack")
+    hooked = px.BackwardHook(px.from_nnx(model), log_fn=px.IdentityLog()).init(x)
+    grad = eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2))
+    with jax.checking_leaks():
+        jitted = eqx.filter_jit(grad)(hooked, x)
+    jax.tree.map(close, jitted.log, grad(hooked, x).log)
+
+
+# -- training and the way back -----------------------------------------------------------
+def test_training_with_optax_then_to_nnx_matches_nnx_training():
+    x = jax.random.normal(key(1), (8, 3))
+    y = jax.random.normal(key(2), (8, 2))
+    optim = optax.sgd(0.1)
+
+    converted = px.from_nnx(MLP(nnx.Rngs(0)))
+    opt_state = optim.init(eqx.filter(converted, eqx.is_inexact_array))
+    loss = lambda m, x, y: jnp.mean((m(x) - y) ** 2)
+    for _ in range(3):
+        grads = eqx.filter_grad(loss)(converted, x, y)
+        updates, opt_state = optim.update(grads, opt_state)
+        converted = eqx.apply_updates(converted, updates)
+    trained = px.to_nnx(converted)
+
+    native = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(native, optim, wrt=nnx.Param)
+    for _ in range(3):
+        optimizer.update(native, nnx.grad(loss)(native, x, y))
+
+    assert isinstance(trained, MLP)
+    jax.tree.map(close, nnx.state(trained), nnx.state(native))
+    close(trained(x), native(x))
+
+
+def test_hooks_inside_users_nnx_jit_step_on_a_live_module():
+    model, x = make("cnn_train")
+    reference = nnx.clone(model)
+    optimizers = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in (model, reference)]
+
+    def step(model, optimizer, x, hooked):
+        def loss(model):
+            if not hooked:
+                return jnp.mean(model(x) ** 2), {}
+            converted = px.from_nnx(model, return_state=True)
+            (out, updated), log = px.ForwardHook(converted, log_fn=px.MeanLog())(x)
+            nnx.update(model, updated.state)
+            return jnp.mean(out ** 2), log
+
+        grads, log = nnx.grad(loss, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return log
+
+    log = nnx.jit(step, static_argnums=3)(model, optimizers[0], x, True)
+    nnx.jit(step, static_argnums=3)(reference, optimizers[1], x, False)
+    assert set(log) == {"conv", "bn", "drop", "head"}
+    jax.tree.map(close, snapshot(model), snapshot(reference))
+    assert not np.allclose(model.head.kernel.get_value(), make("cnn_train")[0].head.kernel.get_value())
+
+
+# -- patching: scoping, errors, threads ---------------------------------------------------
+def test_class_patches_are_restored_after_an_exception():
+    model = Family(nnx.Rngs(0))
+    originals = {cls: vars(cls).get("__call__") for cls in (nnx.Linear, nnx.Sequential, Scaled, Inherited)}
+
+    def boom(value):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as info:
+        px.ForwardHook(px.from_nnx(model), hook_fn=boom, where="left.layers.0")(jnp.ones(3))
+    assert "left.layers.0" in str(info.value.__notes__)
+    for cls, original in originals.items():
+        assert vars(cls).get("__call__") is original
+        assert not _patching.is_patched(cls, "__call__")
+    assert "__call__" not in vars(Inherited)
+
+
+def test_an_unnameable_module_raises_naming_the_caller():
+    class MakesLayers(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.Linear(2, 2, rngs=nnx.Rngs(0))(self.lin(x))
+
+    with pytest.raises(px.HookError, match="cannot name the Linear called from NNX path ''"):
+        px.ForwardHook(px.from_nnx(MakesLayers(nnx.Rngs(0))), log_fn=px.MeanLog())(jnp.ones(2))
+
+
+def test_threads_do_not_see_each_others_hooks():
+    model = MLP(nnx.Rngs(0))
+    x = jnp.ones(3)
+    inside, release = threading.Event(), threading.Event()
+
+    def wait(value):
+        inside.set()
+        release.wait(10)
+        return value
+
+    result = {}
+
+    def hooked_thread():
+        result["hooked"] = px.ForwardHook(px.from_nnx(model), hook_fn=wait, log_fn=px.MeanLog())(x)
+
+    thread = threading.Thread(target=hooked_thread)
+    thread.start()
+    assert inside.wait(10)
+    try:
+        # Classes are patched now, for the other thread only.
+        assert _patching.is_patched(nnx.Linear, "__call__")
+        plain = model(x)
+        other_out, other_log = px.ForwardHook(px.from_nnx(model), log_fn=px.MeanLog(), where="linear2")(x)
+    finally:
+        release.set()
+        thread.join()
+    close(plain, nnx.clone(model)(x))
+    close(other_out, plain)
+    assert set(other_log) == {"linear2"}
+    assert set(result["hooked"][1]) == {"linear1", "linear2"}
+    assert not _patching.is_patched(nnx.Linear, "__call__")
