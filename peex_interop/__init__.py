@@ -1,5 +1,13 @@
 """One runtime hook-and-log API for Equinox (and converted Haiku / Flax NNX) models."""
 
+from ._align import (
+    align as align,
+    Alignment as Alignment,
+    compare as compare,
+    Comparison as Comparison,
+    ComparisonRow as ComparisonRow,
+)
+
 from ._backward import BackwardHook as BackwardHook
 from ._errors import HookError as HookError, TransformError as TransformError
 from ._forward import ForwardHook as ForwardHook
@@ -26,7 +34,13 @@ from ._nnx import from_nnx as from_nnx, to_nnx as to_nnx, NnxModule as NnxModule
 from ._kinds import KINDS as KINDS
 from ._paths import module_paths as module_paths
 from ._recorder import Recorder as Recorder
-from ._selection import glob_to_regex as glob_to_regex
+from ._rename import rename as rename
+from ._selection import (
+    all_of as all_of,
+    glob_to_regex as glob_to_regex,
+    kind as kind,
+    not_ as not_,
+)
 from ._stats import (
     AbsMaxLog as AbsMaxLog,
     activation_stats as activation_stats,
@@ -37,6 +51,7 @@ from ._stats import (
     StatsLog as StatsLog,
     StdLog as StdLog,
 )
+from ._transfer import transfer_params as transfer_params
 from ._summary import (
     LayerRow as LayerRow,
     model_sizes as model_sizes,

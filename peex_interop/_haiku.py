@@ -16,8 +16,14 @@ import jax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _context
+from ._errors import HookError
 from ._kinds import kind_of
 from ._paths import AbstractConverted
+from ._transfer import canonical_params, fitted_params
+
+# Haiku parameter names -> px.transfer_params' canonical names (Haiku's `w` is already
+# (in, out) / (*window, in, out)).
+_CANONICAL = {"w": "kernel", "b": "bias", "scale": "scale", "offset": "offset", "embeddings": "embedding"}
 
 HAIKU_KINDS: dict[type, str] = {
     hk.Linear: "linear",
@@ -165,6 +171,24 @@ class HaikuModule(_AbstractHaiku):
 
     def parameter_counts(self) -> tuple[int, int]:
         return _size(self.params), _size(self.state)
+
+    def _param_key(self, local: tuple[str, ...]) -> str:
+        for key in self.params:
+            if tuple(s for s in haiku_path(key) if not s.startswith("__")) == local:
+                return key
+        raise HookError(f"no Haiku module with parameters at {'.'.join(local)!r}")
+
+    def read_layer(self, local: tuple[str, ...]) -> dict[str, Any]:
+        key = self._param_key(local)
+        return canonical_params(".".join(local), dict(self.params[key]), _CANONICAL)
+
+    def write_layer(self, local: tuple[str, ...], params: dict[str, Any]) -> "HaikuModule":
+        key = self._param_key(local)
+        targets = self.read_layer(local)
+        fitted = fitted_params(".".join(local), params, targets)
+        native = {name: fitted[canonical] for name, canonical in _CANONICAL.items() if canonical in fitted}
+        # New dicts all the way down: the user's params are never mutated.
+        return eqx.tree_at(lambda m: m.params, self, {**self.params, key: native})
 
     def haiku_names(self, *args: Any, **kwargs: Any) -> dict[str, str]:
         """Dotted path -> native Haiku module name of every module called with these

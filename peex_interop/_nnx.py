@@ -33,6 +33,7 @@ from . import _context, _patching
 from ._errors import HookError
 from ._kinds import kind_of
 from ._paths import AbstractConverted
+from ._transfer import canonical_params, fitted_params
 
 Path = tuple[str, ...]
 
@@ -56,6 +57,12 @@ NNX_KINDS: dict[type, str] = {
     nnx.Sequential: "container",
     nnx.List: "container",
 }
+
+
+# NNX parameter attributes -> px.transfer_params' canonical names (NNX kernels are
+# already (in, out) / (*window, in, out)).
+_LAYER_NAMES = {"kernel": "kernel", "bias": "bias", "embedding": "embedding"}
+_NORM_NAMES = {"scale": "scale", "bias": "offset"}
 
 
 class NnxModule(AbstractConverted):
@@ -118,6 +125,28 @@ class NnxModule(AbstractConverted):
     def layer_kind(self, module: nnx.Module) -> str:
         """The library-independent kind (`px.KINDS`) of an NNX submodule."""
         return kind_of(module, NNX_KINDS)
+
+    def _layer(self, module: nnx.Module, local: Path) -> tuple[nnx.Module, dict[str, str]]:
+        layer = dict(_paths(module)).get(local)
+        if layer is None:
+            raise HookError(f"no NNX submodule at {'.'.join(local)!r}")
+        # NNX names a norm's shift `bias`, like a linear layer's.
+        names = _NORM_NAMES if self.layer_kind(layer) == "norm" else _LAYER_NAMES
+        return layer, {attr: name for attr, name in names.items() if getattr(layer, attr, None) is not None}
+
+    def read_layer(self, local: Path) -> dict[str, Any]:
+        layer, names = self._layer(self._merged(), local)
+        values = {attr: getattr(layer, attr).get_value() for attr in names}
+        return canonical_params(".".join(local), values, names)
+
+    def write_layer(self, local: Path, params: dict[str, Any]) -> "NnxModule":
+        module = self._merged()
+        layer, names = self._layer(module, local)
+        targets = {name: getattr(layer, attr).get_value() for attr, name in names.items()}
+        fitted = fitted_params(".".join(local), params, targets)
+        for attr, name in names.items():
+            getattr(layer, attr).set_value(fitted[name])
+        return _convert(module, self.return_state)
 
     def train(self, **attributes: Any) -> "NnxModule":
         """The NNX `module.train()`, functionally.

@@ -37,6 +37,16 @@ class AbstractConverted(eqx.Module):
         """The library-independent kind (`px.KINDS`) of one of the library's modules."""
         raise NotImplementedError
 
+    def read_layer(self, local: tuple[str, ...]) -> dict[str, Any]:
+        """The parameters of the layer at `local`, in `px.transfer_params`' canonical
+        layout (`kernel` (in, out) / (*window, in, out), `bias`, `scale`, `offset`,
+        `embedding`)."""
+        raise NotImplementedError
+
+    def write_layer(self, local: tuple[str, ...], params: dict[str, Any]) -> "AbstractConverted":
+        """A copy with the layer at `local` holding `params` (canonical layout)."""
+        raise NotImplementedError
+
 
 def join(*parts: str) -> str:
     return ".".join(part for part in parts if part)

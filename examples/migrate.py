@@ -1,0 +1,108 @@
+"""Migrating a Haiku CNN+MLP, and its logging, to Flax NNX and to Equinox.
+
+One logging setup (hooks + statistics) is used unchanged on all three; the Haiku weights
+are copied into the ports with `px.transfer_params`; `px.compare` shows every layer equal;
+a deliberately wrong port is pinpointed at the layer where it first diverges.
+"""
+
+import equinox as eqx
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import peex_interop as px
+
+# -- the original, in Haiku -----------------------------------------------------------
+
+
+def haiku_net(images):  # (batch, 8, 8, 1)
+    x = jax.nn.relu(hk.Conv2D(8, 3, name="conv1")(images))
+    x = jax.nn.relu(hk.Conv2D(8, 3, name="conv2")(x))
+    x = hk.Flatten()(x)
+    x = jax.nn.relu(hk.Linear(32, name="fc1")(x))
+    return hk.Linear(10, name="fc2")(x)
+
+
+# -- the NNX port -----------------------------------------------------------------------
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.convs = nnx.List([nnx.Conv(1, 8, (3, 3), rngs=rngs), nnx.Conv(8, 8, (3, 3), rngs=rngs)])
+        self.hidden = nnx.Linear(8 * 8 * 8, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, images):
+        x = images
+        for conv in self.convs:
+            x = jax.nn.relu(conv(x))
+        x = jax.nn.relu(self.hidden(x.reshape(x.shape[0], -1)))
+        return self.out(x)
+
+
+# -- the Equinox port (per example, channels first, vmapped over the batch) ---------------
+
+
+class EquinoxNet(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    mlp: eqx.nn.MLP
+    forget_relu: bool = eqx.field(static=True, default=False)
+
+    def __init__(self, key, forget_relu=False):
+        keys = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(1, 8, 3, padding=1, key=keys[0])
+        self.conv2 = eqx.nn.Conv2d(8, 8, 3, padding=1, key=keys[1])
+        self.mlp = eqx.nn.MLP(8 * 8 * 8, 10, 32, depth=1, key=keys[2])
+        self.forget_relu = forget_relu
+
+    def __call__(self, images):
+        def one(image):
+            x = jax.nn.relu(self.conv1(jnp.transpose(image, (2, 0, 1))))
+            x = self.conv2(x)
+            if not self.forget_relu:  # the deliberate porting bug
+                x = jax.nn.relu(x)
+            return self.mlp(jnp.ravel(jnp.transpose(x, (1, 2, 0))))
+
+        return jax.vmap(one)(images)
+
+
+# -- one logging setup for all three ---------------------------------------------------------
+
+LOG = px.StatsLog({"mean": px.MeanLog(), "std": px.StdLog(), "max": px.AbsMaxLog()})
+WHERE = px.kind("conv", "linear")
+
+
+def with_logging(model, rename=None):
+    return px.ForwardHook(model, log_fn=LOG, where=WHERE, rename=rename)
+
+
+def main():
+    images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
+    transformed = hk.without_apply_rng(hk.transform(haiku_net))
+    original = px.from_haiku(transformed, transformed.init(jax.random.key(1), images))
+    ports = {
+        "nnx": px.from_nnx(NnxNet(nnx.Rngs(2))),
+        "equinox": EquinoxNet(jax.random.key(3)),
+    }
+    for name, port in ports.items():
+        alignment = px.align(original, port, images)
+        print(f"== Haiku -> {name}\n{alignment}")
+        port = px.transfer_params(original, port, alignment.mapping)
+        comparison = px.compare(original, port, images, cotangents=True, alignment=alignment)
+        print(comparison)
+        # The port's logs carry the original's keys: dashboards keep working.
+        _, log = with_logging(port, rename={b: a for a, b in alignment.mapping.items()})(images)
+        _, original_log = with_logging(original)(images)
+        print("same dashboard keys:", sorted(log) == sorted(original_log))
+        ports[name] = port
+
+    wrong = px.transfer_params(original, EquinoxNet(jax.random.key(3), forget_relu=True), px.align(original, ports["equinox"], images).mapping)
+    comparison = px.compare(original, wrong, images)
+    print("== a port that forgot an activation\n" + str(comparison))
+    return comparison
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Matching the layers of two implementations of one network, and comparing them."""
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._backward import BackwardHook
+from ._forward import ForwardHook
+from ._logs import IdentityLog
+from ._summary import summary
+
+DEFAULT_KINDS = ("linear", "conv", "attention", "norm", "embedding", "recurrent", "pool")
+
+
+def _first_array(value: Any) -> Any:
+    return next(leaf for leaf in jax.tree.leaves(value) if hasattr(leaf, "shape"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Alignment:
+    """`mapping` (path in model a -> path in model b) and what could not be matched."""
+
+    mapping: dict[str, str]
+    unmatched: tuple[tuple[str, str, str], ...]
+    ambiguous: tuple[tuple[str, str, str], ...]
+    order_preserved: bool
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.mapping)} layers matched"]
+        lines += [f"  {a} -> {b}" for a, b in self.mapping.items()]
+        for title, entries in (("unmatched", self.unmatched), ("ambiguous", self.ambiguous)):
+            if entries:
+                lines.append(f"{title}:")
+                lines += [f"  model {side}: {path}: {why}" for side, path, why in entries]
+        if not self.order_preserved:
+            lines.append("note: matched layers are called in a different order in model b")
+        return "\n".join(lines)
+
+
+def _sites(model: Any, kinds: tuple[str, ...], args: tuple, kwargs: dict) -> list[tuple[str, tuple]]:
+    """(path, signature) of every call site of these kinds, in call-return order. The
+    signature is the kind and the number of output values: it does not depend on layout
+    (channels first or last, heads split or merged) or on whether a batch is vmapped."""
+    rows = [row for row in summary(model, *args, **kwargs).rows if row.kind in kinds]
+    if not rows:
+        return []
+    shapes = eqx.filter_eval_shape(
+        lambda m: ForwardHook(m, log_fn=IdentityLog(), layer_names=[r.path for r in rows])(*args, **kwargs)[1],
+        model,
+    )
+    return [(row.path, (row.kind, _first_array(shapes[row.path]).size)) for row in rows]
+
+
+def align(model_a: Any, model_b: Any, *args: Any, kinds: tuple[str, ...] = DEFAULT_KINDS, **kwargs: Any) -> Alignment:
+    """Match the layers of two implementations of the same network (any two libraries).
+
+    Layers are matched by kind (`px.KINDS`) and output size, in call order: the k-th
+    layer of a signature in model a with the k-th of that signature in model b. Where a
+    signature occurs a different number of times in the two models, which layers
+    correspond is not decidable from calls: all of them are reported as ambiguous,
+    never guessed.
+
+    **Arguments:**
+
+    - `model_a`, `model_b`: Equinox models or converted Haiku/NNX models.
+    - `*args`, `**kwargs`: one input both models accept.
+    - `kinds`: the layer kinds to match (containers and activations are not layers).
+
+    **Returns:**
+
+    An `Alignment`: `.mapping`, `.unmatched`, `.ambiguous` (each entry: side, path,
+    reason).
+    """
+    sites = {side: _sites(m, kinds, args, kwargs) for side, m in (("a", model_a), ("b", model_b))}
+    by_signature = {
+        side: collections.defaultdict(list) for side in sites
+    }
+    for side, entries in sites.items():
+        for path, signature in entries:
+            by_signature[side][signature].append(path)
+    mapping, unmatched, ambiguous = {}, [], []
+    for signature in {*by_signature["a"], *by_signature["b"]}:
+        paths_a, paths_b = by_signature["a"][signature], by_signature["b"][signature]
+        kind, size = signature
+        if len(paths_a) == len(paths_b):
+            mapping.update(zip(paths_a, paths_b))
+        elif not paths_a or not paths_b:
+            side, paths = ("a", paths_a) if paths_a else ("b", paths_b)
+            unmatched += [(side, p, f"no {kind} layer with {size} output values in the other model") for p in paths]
+        else:
+            why = f"{len(paths_a)} {kind} layers with {size} output values in model a, {len(paths_b)} in model b"
+            ambiguous += [("a", p, why) for p in paths_a] + [("b", p, why) for p in paths_b]
+    order_a = [path for path, _ in sites["a"] if path in mapping]
+    position_b = {path: i for i, (path, _) in enumerate(sites["b"])}
+    positions = [position_b[mapping[path]] for path in order_a]
+    return Alignment(
+        {path: mapping[path] for path in order_a},
+        tuple(sorted(unmatched)), tuple(sorted(ambiguous)), positions == sorted(positions),
+    )
+
+
+def _difference(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Max abs / max rel difference, with b's axes permuted to a's layout (the
+    permutation that fits best, when several fit), or reshaped when no permutation fits
+    (e.g. attention heads split in one library and merged in the other)."""
+    candidates = [
+        np.transpose(b, order)
+        for order in itertools.permutations(range(b.ndim))
+        if tuple(b.shape[i] for i in order) == a.shape
+    ] or [np.reshape(b, a.shape)]
+    best = min(float(np.max(np.abs(a - c), initial=0.0)) for c in candidates)
+    scale = float(np.max(np.abs(a), initial=0.0))
+    return best, best / scale if scale else best
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparisonRow:
+    path_a: str
+    path_b: str
+    max_abs: float
+    max_rel: float
+    cotangent_max_abs: float | None
+    cotangent_max_rel: float | None
+    diverged: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Per-layer differences of two implementations, in model a's call order."""
+
+    rows: tuple[ComparisonRow, ...]
+    alignment: Alignment
+    tolerance: float
+
+    @property
+    def first_divergence(self) -> ComparisonRow | None:
+        return next((row for row in self.rows if row.diverged), None)
+
+    def __str__(self) -> str:
+        header = ("layer (a)", "layer (b)", "max abs", "max rel", "ct max abs", "ct max rel", "")
+        cells = [header] + [
+            (r.path_a, r.path_b, f"{r.max_abs:.2e}", f"{r.max_rel:.2e}",
+             "" if r.cotangent_max_abs is None else f"{r.cotangent_max_abs:.2e}",
+             "" if r.cotangent_max_rel is None else f"{r.cotangent_max_rel:.2e}",
+             "<- first divergence" if r is self.first_divergence else ("diverged" if r.diverged else ""))
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        verdict = (
+            f"all {len(self.rows)} layers agree within {self.tolerance:g}"
+            if self.first_divergence is None
+            else f"first divergence at {self.first_divergence.path_a} -> {self.first_divergence.path_b}"
+        )
+        return "\n".join(lines + [verdict])
+
+
+def _loss(output: Any) -> Any:
+    return 0.5 * sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(output))
+
+
+def _cotangents(model: Any, paths: list[str], args: tuple, kwargs: dict) -> dict:
+    hooked = BackwardHook(model, log_fn=IdentityLog(), layer_names=paths).init(*args, **kwargs)
+    return eqx.filter_grad(lambda h: _loss(h(*args, **kwargs)))(hooked).log
+
+def compare(
+    model_a: Any,
+    model_b: Any,
+    *args: Any,
+    tolerance: float = 1e-5,
+    cotangents: bool = False,
+    alignment: Alignment | None = None,
+    **kwargs: Any,
+) -> Comparison:
+    """Run two implementations of one network on the same input and compare them layer
+    by layer (outputs, and on request the cotangents of `0.5 * sum(output**2)`).
+
+    **Arguments:**
+
+    - `model_a`, `model_b`: Equinox models or converted Haiku/NNX models.
+    - `*args`, `**kwargs`: one input both models accept.
+    - `tolerance`: a layer diverges where `max abs > tolerance * (1 + max |a|)`.
+    - `cotangents`: also compare the cotangents flowing back through each layer.
+    - `alignment`: a precomputed `px.align` result (computed if not given).
+
+    **Returns:**
+
+    A `Comparison` (print it; `.first_divergence` is the first diverging layer).
+    """
+    alignment = alignment or align(model_a, model_b, *args, **kwargs)
+    paths_a, paths_b = list(alignment.mapping), list(alignment.mapping.values())
+    _, log_a = ForwardHook(model_a, log_fn=IdentityLog(), layer_names=paths_a or None)(*args, **kwargs)
+    _, log_b = ForwardHook(model_b, log_fn=IdentityLog(), layer_names=paths_b or None)(*args, **kwargs)
+    if cotangents:
+        ct_a = _cotangents(model_a, paths_a, args, kwargs)
+        ct_b = _cotangents(model_b, paths_b, args, kwargs)
+    rows = []
+    for path_a, path_b in alignment.mapping.items():
+        a = np.asarray(_first_array(log_a[path_a]))
+        abs_error, rel_error = _difference(a, np.asarray(_first_array(log_b[path_b])))
+        ct_abs = ct_rel = None
+        diverged = abs_error > tolerance * (1 + np.max(np.abs(a), initial=0.0))
+        if cotangents:
+            ct = np.asarray(_first_array(ct_a[path_a]))
+            ct_abs, ct_rel = _difference(ct, np.asarray(_first_array(ct_b[path_b])))
+            diverged = diverged or ct_abs > tolerance * (1 + np.max(np.abs(ct), initial=0.0))
+        rows.append(ComparisonRow(path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(diverged)))
+    return Comparison(tuple(rows), alignment, tolerance)

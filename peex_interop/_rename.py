@@ -1,0 +1,30 @@
+import re
+from typing import Any
+
+
+_SUFFIX = re.compile(r"(@\d+)?(:in)?\Z")
+
+
+def rename(log: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
+    """Re-key a log: `path` -> `mapping[path]`, keeping repeated-call (`@n`) and pre-log
+    (`:in`) suffixes; keys not in `mapping` are kept.
+
+    **Arguments:**
+
+    - `log`: a log returned by a hook wrapper (or a `BackwardHook`'s gradient log).
+    - `mapping`: `{path: new_key}`, e.g. an `px.align(...).mapping` to give a ported
+        model's logs the keys of the original (invert it to go back).
+
+    **Returns:**
+
+    A new dict; the values are the same objects.
+    """
+    renamed = {}
+    for key, value in log.items():
+        suffix = _SUFFIX.search(key).group(0)
+        base = key[: len(key) - len(suffix)]
+        new = mapping.get(base, base) + suffix
+        if new in renamed:
+            raise ValueError(f"rename maps two keys of the log to {new!r}")
+        renamed[new] = value
+    return renamed

@@ -1,0 +1,169 @@
+"""Canonical paths and kinds across libraries, align / compare / rename / transfer."""
+
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import peex_interop as px
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+import migrate  # noqa: E402  (the example's three implementations of one network)
+
+
+@pytest.fixture(scope="module")
+def trio():
+    images = jax.random.uniform(jax.random.key(0), (3, 8, 8, 1))
+    transformed = hk.without_apply_rng(hk.transform(migrate.haiku_net))
+    haiku = px.from_haiku(transformed, transformed.init(jax.random.key(1), images))
+    return images, {"haiku": haiku, "nnx": px.from_nnx(migrate.NnxNet(nnx.Rngs(2))), "equinox": migrate.EquinoxNet(jax.random.key(3))}
+
+
+EXPECTED = {
+    "haiku": ["conv1", "conv2", "fc1", "fc2"],
+    "nnx": ["convs.0", "convs.1", "hidden", "out"],
+    "equinox": ["conv1", "conv2", "mlp.layers.0", "mlp.layers.1"],
+}
+
+
+@pytest.mark.parametrize("a, b", [("equinox", "haiku"), ("haiku", "equinox"), ("equinox", "nnx"), ("nnx", "equinox"), ("haiku", "nnx"), ("nnx", "haiku")])
+def test_alignment_in_every_direction_then_transfer_and_compare(trio, a, b):
+    images, models = trio
+    alignment = px.align(models[a], models[b], images)
+    assert alignment.mapping == dict(zip(EXPECTED[a], EXPECTED[b]))
+    assert not alignment.unmatched and not alignment.ambiguous and alignment.order_preserved
+    port = px.transfer_params(models[a], models[b], alignment.mapping)
+    comparison = px.compare(models[a], port, images, cotangents=True, alignment=alignment)
+    assert comparison.first_divergence is None
+    assert all(row.max_rel < 1e-5 and row.cotangent_max_rel < 1e-5 for row in comparison.rows)
+    np.testing.assert_allclose(port(images), models[a](images), rtol=1e-5, atol=1e-5)
+    # Before the transfer the two models disagree everywhere: compare can fail.
+    assert px.compare(models[a], models[b], images, alignment=alignment).first_divergence.path_a == EXPECTED[a][0]
+
+
+def test_wrong_port_is_pinpointed(trio):
+    images, models = trio
+    mapping = px.align(models["haiku"], models["equinox"], images).mapping
+    wrong = px.transfer_params(models["haiku"], migrate.EquinoxNet(jax.random.key(3), forget_relu=True), mapping)
+    first = px.compare(models["haiku"], wrong, images).first_divergence
+    assert (first.path_a, first.path_b) == ("fc1", "mlp.layers.0")  # the layer after the missing relu
+
+    # A transposed kernel (a classic Haiku -> Equinox slip) is caught at its own layer.
+    port = px.transfer_params(models["haiku"], models["equinox"], mapping)
+    square = eqx.nn.Conv2d(8, 8, 3, padding=1, key=jax.random.key(0))
+    transposed = eqx.tree_at(lambda m: m.conv2.weight, port, jnp.swapaxes(port.conv2.weight, 0, 1))
+    assert square.weight.shape[0] == square.weight.shape[1]
+    assert px.compare(models["haiku"], transposed, images).first_divergence.path_a == "conv2"
+
+
+class Attention(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+
+    def __call__(self, x):
+        return jax.vmap(lambda x: self.attn(x, x, x))(x)
+
+
+class NnxAttention(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.attn(x)
+
+
+def test_alignment_of_attention_across_libraries():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    transformed = hk.without_apply_rng(hk.transform(lambda x: hk.MultiHeadAttention(2, 4, w_init=hk.initializers.VarianceScaling())(x, x, x)))
+    models = {
+        "equinox": Attention(eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1))),
+        "haiku": px.from_haiku(transformed, transformed.init(jax.random.key(2), x)),
+        "nnx": px.from_nnx(NnxAttention(nnx.Rngs(3))),
+    }
+    projections = {
+        "equinox": ["attn.query_proj", "attn.key_proj", "attn.value_proj", "attn.output_proj", "attn"],
+        "haiku": [f"multi_head_attention.{p}" for p in ("query", "key", "value", "linear")] + ["multi_head_attention"],
+        "nnx": ["attn.query", "attn.key", "attn.value", "attn.out", "attn"],
+    }
+    for a, b in (("equinox", "haiku"), ("equinox", "nnx"), ("haiku", "nnx")):
+        alignment = px.align(models[a], models[b], x)
+        assert alignment.mapping == dict(zip(projections[a], projections[b])), (a, b)
+
+
+class ThreeLayers(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def test_ambiguity_is_reported_not_guessed():
+    keys = jax.random.split(jax.random.key(0), 4)
+    three = ThreeLayers([eqx.nn.Linear(4, 4, key=k) for k in keys[:3]])
+    two = ThreeLayers([eqx.nn.Linear(4, 4, key=k) for k in keys[:2]] + [eqx.nn.Linear(4, 2, key=keys[3])])
+    alignment = px.align(three, two, jnp.ones(4))
+    assert alignment.mapping == {}
+    assert {path for side, path, _ in alignment.ambiguous if side == "a"} == {"layers.0", "layers.1", "layers.2"}
+    assert {path for side, path, _ in alignment.ambiguous if side == "b"} == {"layers.0", "layers.1"}
+    assert alignment.unmatched == (("b", "layers.2", "no linear layer with 2 output values in the other model"),)
+    assert "ambiguous" in str(alignment)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [px.kind("conv"), px.kind("linear"), px.all_of(px.kind("conv", "linear"), px.not_(px.kind("conv")))],
+)
+def test_the_same_filter_selects_corresponding_layers(trio, where):
+    images, models = trio
+    keys = {name: set(px.ForwardHook(m, log_fn=px.MeanLog(), where=where)(images)[1]) for name, m in models.items()}
+    mapping = px.align(models["haiku"], models["nnx"], images).mapping
+    assert {mapping[k] for k in keys["haiku"]} == keys["nnx"]
+    mapping = px.align(models["haiku"], models["equinox"], images).mapping
+    assert {mapping[k] for k in keys["haiku"]} == keys["equinox"]
+    assert keys["haiku"]
+
+
+def test_rename_round_trips_and_wrapper_argument(trio):
+    images, models = trio
+    mapping = px.align(models["haiku"], models["nnx"], images).mapping
+    inverse = {b: a for a, b in mapping.items()}
+    _, log = migrate.with_logging(models["nnx"])(images)
+    old_keys = px.rename(log, inverse)
+    assert set(old_keys) == set(EXPECTED["haiku"])
+    assert px.rename(old_keys, mapping) == log
+    _, renamed_at_source = migrate.with_logging(models["nnx"], rename=inverse)(images)
+    assert set(renamed_at_source) == set(old_keys)
+    jax.tree.map(np.testing.assert_array_equal, renamed_at_source, old_keys)
+    # Suffixes of repeated calls and pre-logs survive.
+    assert set(px.rename({"hidden@1": 1, "hidden:in": 2, "other": 3}, {"hidden": "fc1"})) == {"fc1@1", "fc1:in", "other"}
+    with pytest.raises(ValueError, match="two keys"):
+        px.rename({"a": 1, "b": 2}, {"a": "b"})
+
+
+def test_backward_rename_keys_slots_and_gradients(trio):
+    images, models = trio
+    hooked = px.BackwardHook(models["nnx"], log_fn=px.MeanLog(), where=px.kind("linear"), rename={"hidden": "fc1", "out": "fc2"}).init(images)
+    assert set(hooked.log) == {"fc1", "fc2"}
+    grads = eqx.filter_grad(lambda h: jnp.sum(h(images)))(hooked)
+    assert set(grads.log) == {"fc1", "fc2"}
+
+
+def test_transfer_errors_name_the_layer(trio):
+    images, models = trio
+    with pytest.raises(px.HookError, match=r"layer 'mlp.layers.0'.*does not fit"):
+        px.transfer_params(models["haiku"], models["equinox"], {"fc2": "mlp.layers.0"})
+    no_bias = eqx.tree_at(lambda m: m.mlp.layers[1], models["equinox"], eqx.nn.Linear(32, 10, use_bias=False, key=jax.random.key(0)))
+    with pytest.raises(px.HookError, match=r"layer 'mlp.layers.1'.*has a bias"):
+        px.transfer_params(models["haiku"], no_bias, {"fc2": "mlp.layers.1"})
+    with pytest.raises(px.HookError, match="no layer 'nope'"):
+        px.transfer_params(models["haiku"], models["equinox"], {"fc2": "nope"})
+    lam = eqx.nn.Sequential([eqx.nn.Lambda(jnp.tanh)])
+    with pytest.raises(px.HookError, match=r"cannot map layer 'layers.0'.*Lambda"):
+        px.transfer_params(lam, lam, {"layers.0": "layers.0"})
