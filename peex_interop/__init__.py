@@ -51,7 +51,6 @@ from ._stats import (
     StatsLog as StatsLog,
     StdLog as StdLog,
 )
-from ._transfer import transfer_params as transfer_params
 from ._summary import (
     LayerRow as LayerRow,
     model_sizes as model_sizes,
@@ -60,3 +59,4 @@ from ._summary import (
     summary as summary,
     total_params as total_params,
 )
+from ._transfer import transfer_params as transfer_params
