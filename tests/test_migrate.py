@@ -167,3 +167,44 @@ def test_transfer_errors_name_the_layer(trio):
     lam = eqx.nn.Sequential([eqx.nn.Lambda(jnp.tanh)])
     with pytest.raises(px.HookError, match=r"cannot map layer 'layers.0'.*Lambda"):
         px.transfer_params(lam, lam, {"layers.0": "layers.0"})
+
+
+class EqxEmbedNorm(eqx.Module):
+    embed: eqx.nn.Embedding
+    norm: eqx.nn.LayerNorm
+
+    def __call__(self, tokens):
+        return jax.vmap(jax.vmap(lambda t: self.norm(self.embed(t))))(tokens)
+
+
+class NnxEmbedNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(11, 6, rngs=rngs)
+        self.norm = nnx.LayerNorm(6, epsilon=1e-5, rngs=rngs)  # Haiku and Equinox use 1e-5
+
+    def __call__(self, tokens):
+        return self.norm(self.embed(tokens))
+
+
+def test_transfer_of_embeddings_and_norms_in_every_direction():
+    tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, 11)
+
+    def haiku_fn(tokens):
+        x = hk.Embed(11, 6, name="embed")(tokens)
+        return hk.LayerNorm(-1, True, True, name="norm")(x)
+
+    transformed = hk.without_apply_rng(hk.transform(haiku_fn))
+    params = transformed.init(jax.random.key(1), tokens)
+    # Non-trivial norm parameters, so that a transfer that skipped them would show.
+    params = {**params, "norm": {"scale": jnp.arange(6.0) + 0.5, "offset": -jnp.arange(6.0)}}
+    models = {
+        "haiku": px.from_haiku(transformed, params),
+        "equinox": EqxEmbedNorm(eqx.nn.Embedding(11, 6, key=jax.random.key(2)), eqx.nn.LayerNorm(6)),
+        "nnx": px.from_nnx(NnxEmbedNorm(nnx.Rngs(3))),
+    }
+    for a, b in (("haiku", "equinox"), ("haiku", "nnx"), ("equinox", "nnx")):
+        source = models[a] if a == "haiku" else px.transfer_params(models["haiku"], models[a], px.align(models["haiku"], models[a], tokens).mapping)
+        alignment = px.align(source, models[b], tokens)
+        assert sorted(alignment.mapping) == ["embed", "norm"]
+        port = px.transfer_params(source, models[b], alignment.mapping)
+        np.testing.assert_allclose(port(tokens), transformed.apply(params, tokens), rtol=1e-5, atol=1e-5)
