@@ -89,7 +89,6 @@ class _Body:
         for context, counts, log in zip(self.contexts, end or self.end, logs):
             context.counts = counts
             context.merge(log)
-        self.release()
 
     def release(self) -> None:
         self.fn = self.outer = None
@@ -118,8 +117,11 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
                     probes, *args, **kwargs
                 )
 
-            out, logs = run(body.probes(run, lambda shapes: shapes[1]))
-            body.finish(logs)
+            try:
+                out, logs = run(body.probes(run, lambda shapes: shapes[1]))
+                body.finish(logs)
+            finally:
+                body.release()
             return out
 
         return mapped
@@ -141,8 +143,11 @@ def threaded_scan(real_scan: Callable) -> Callable:
 
             return real_scan(scan_body, init, (xs, probes), *rest, **options)
 
-        carry, (ys, logs) = run(body.probes(run, lambda shapes: shapes[1][1]))
-        body.finish(logs)
+        try:
+            carry, (ys, logs) = run(body.probes(run, lambda shapes: shapes[1][1]))
+            body.finish(logs)
+        finally:
+            body.release()
         return carry, ys
 
     return scan
@@ -173,19 +178,22 @@ def threaded_cond(real_cond: Callable) -> Callable:
             return run
 
         probes = bodies[0].enclosing_probes()
-        true_logs, false_logs = (
-            jax.eval_shape(branch(body, None), probes, *operands)[1] for body in bodies
-        )
-        union = [{**a, **b} for a, b in zip(true_logs, false_logs)]
-        out, logs = real_cond(
-            pred, *(branch(body, union) for body in bodies), probes, *operands, **options
-        )
-        end = [
-            {path: max(a.get(path, 0), b.get(path, 0)) for path in {*a, *b}}
-            for a, b in zip(bodies[0].end, bodies[1].end)
-        ]
-        bodies[0].finish(logs, end)
-        bodies[1].release()
+        try:
+            true_logs, false_logs = (
+                jax.eval_shape(branch(body, None), probes, *operands)[1] for body in bodies
+            )
+            union = [{**a, **b} for a, b in zip(true_logs, false_logs)]
+            out, logs = real_cond(
+                pred, *(branch(body, union) for body in bodies), probes, *operands, **options
+            )
+            end = [
+                {path: max(a.get(path, 0), b.get(path, 0)) for path in {*a, *b}}
+                for a, b in zip(bodies[0].end, bodies[1].end)
+            ]
+            bodies[0].finish(logs, end)
+        finally:
+            for body in bodies:
+                body.release()
         return out
 
     return cond
@@ -209,10 +217,13 @@ def threaded_checkpoint(real_checkpoint: Callable) -> Callable:
             def checkpointed_body(probes, *inner_args, **inner_kwargs):
                 return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
 
-            out, logs = real_checkpoint(checkpointed_body, *rest, **_shift_static(options))(
-                body.enclosing_probes(), *args, **kwargs
-            )
-            body.finish(logs)
+            try:
+                out, logs = real_checkpoint(checkpointed_body, *rest, **_shift_static(options))(
+                    body.enclosing_probes(), *args, **kwargs
+                )
+                body.finish(logs)
+            finally:
+                body.release()
             return out
 
         return checkpointed
