@@ -55,10 +55,16 @@ def haiku_path(module_name: str) -> tuple[str, ...]:
     )
 
 
+def _params_path(key: str) -> tuple[str, ...]:
+    # Params of modules inside `layer_stack` sit under Haiku's internal scope
+    # (`__layer_stack_no_per_layer/lin`) while the module itself is called as `lin`.
+    return tuple(segment for segment in haiku_path(key) if not segment.startswith("__"))
+
+
 def _is_internal(module_name: str) -> bool:
     # Haiku's own plumbing (e.g. layer_stack's `__layer_stack_no_per_layer`, whose call
     # returns params) is not a layer of the user's model.
-    return any(segment.startswith("__") for segment in haiku_path(module_name))
+    return _params_path(module_name) != haiku_path(module_name)
 
 
 class _AbstractHaiku(AbstractConverted):
@@ -164,7 +170,7 @@ class HaikuModule(_AbstractHaiku):
         # params/state keys (parents included, as prefixes).
         paths = {}
         for name in (*self.params, *(self.state or {})):
-            path = tuple(s for s in haiku_path(name) if not s.startswith("__"))
+            path = _params_path(name)
             for end in range(1, len(path) + 1):
                 paths[path[:end]] = None
         return paths
@@ -174,7 +180,7 @@ class HaikuModule(_AbstractHaiku):
 
     def _param_key(self, local: tuple[str, ...]) -> str:
         for key in self.params:
-            if tuple(s for s in haiku_path(key) if not s.startswith("__")) == local:
+            if _params_path(key) == local:
                 return key
         raise HookError(f"no Haiku module with parameters at {'.'.join(local)!r}")
 
