@@ -35,8 +35,9 @@ def check_model(model: Any, wrapper: str) -> None:
     raise TypeError(
         f"{wrapper} wraps an equinox.Module, got {type(model).__module__}."
         f"{type(model).__qualname__}. Hint: wrap a plain function as "
-        "`eqx.nn.Lambda(fn)`; a Haiku or Flax NNX model must first be converted into "
-        "an eqx.Module."
+        "`eqx.nn.Lambda(fn)`; convert a Haiku model with "
+        "`px.from_haiku(transformed, params, state)` and a Flax NNX module with "
+        "`px.from_nnx(module)`."
     )
 
 
