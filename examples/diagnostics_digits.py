@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from sklearn.datasets import load_digits
 
 import peex_interop as px
@@ -42,6 +43,18 @@ def haiku_cnn(images):
     return hk.Linear(10, name="head")(hk.Flatten()(x))
 
 
+class NnxCNN(nnx.Module):
+    def __init__(self, rngs):
+        self.conv1 = nnx.Conv(1, 8, (3, 3), padding="SAME", rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, (3, 3), padding="SAME", rngs=rngs)
+        self.head = nnx.Linear(16 * 8 * 8, 10, rngs=rngs)
+
+    def __call__(self, images):  # (batch, 8, 8, 1)
+        x = jax.nn.relu(self.conv1(images))
+        x = jax.nn.relu(self.conv2(x))
+        return self.head(x.reshape(x.shape[0], -1))
+
+
 def equinox_model(images):
     # Its layers run per example (vmap): pool their statistics over the examples.
     return EquinoxCNN(jax.random.key(0)), 1
@@ -52,7 +65,12 @@ def haiku_model(images):
     return px.from_haiku(transformed, transformed.init(jax.random.key(0), images)), 0
 
 
-MODELS = {"equinox": equinox_model, "haiku": haiku_model}
+def nnx_model(images):
+    # NNX layers, like Haiku's, run on the whole batch: statistics are already pooled.
+    return px.from_nnx(NnxCNN(nnx.Rngs(0))), 0
+
+
+MODELS = {"equinox": equinox_model, "haiku": haiku_model, "nnx": nnx_model}
 
 
 def data():

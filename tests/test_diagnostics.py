@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import peex_interop as px
 from models import Deep, transformer, tokens
@@ -100,6 +101,29 @@ def test_haiku_parameter_counts_match_hand_counts():
     assert haiku_counts(lambda x: hk.LSTM(20)(x, hk.LSTM(20).initial_state(2))[0], x) == (4 * 20 * (10 + 20) + 4 * 20, 0)
 
 
+def nnx_counts(module):
+    return px.total_params(px.from_nnx(module))
+
+
+def test_nnx_parameter_counts_match_hand_counts():
+    rngs = nnx.Rngs(0)
+    assert nnx_counts(nnx.Linear(10, 32, rngs=rngs)) == (352, 0)
+    assert nnx_counts(nnx.Linear(10, 32, use_bias=False, rngs=rngs)) == (320, 0)
+    # scale and bias are nnx.Params; the running mean and var are nnx.BatchStats.
+    assert nnx_counts(nnx.BatchNorm(20, rngs=rngs)) == (40, 40)
+    assert nnx_counts(nnx.Conv(16, 32, (3, 3), rngs=rngs)) == (16 * 32 * 9 + 32, 0)
+    # NNX's LSTMCell holds, per gate (i, f, g, o), an input Linear without bias
+    # (`ii`, `if_`, `ig`, `io`: 10x20 kernels) and a hidden Linear with bias (`hi`, `hf`,
+    # `hg`, `ho`: 20x20 kernels, 20 biases): 4 * 20 * (10 + 20) + 4 * 20, one bias per
+    # gate unit like Equinox's and Haiku's.
+    cell = nnx.LSTMCell(10, 20, rngs=rngs)
+    shapes = {".".join(map(str, path)): v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(cell))}
+    assert shapes == {f"{g}.kernel": (10, 20) for g in ("ii", "if_", "ig", "io")} | {
+        f"{g}.{leaf}": shape for g in ("hi", "hf", "hg", "ho") for leaf, shape in (("kernel", (20, 20)), ("bias", (20,)))
+    }
+    assert nnx_counts(cell) == (4 * 20 * (10 + 20) + 4 * 20, 0)
+
+
 class EqxNet(eqx.Module):
     conv: eqx.nn.Conv2d
     norm: eqx.nn.LayerNorm
@@ -135,6 +159,38 @@ def test_summaries_of_twins_list_the_same_kinds_and_counts():
     assert px.model_sizes(hk_model, x)["conv2_d"] == ((1, 8, 8, 4),)
     text = str(hk_summary)
     assert "conv2_d" in text and "3,122 trainable" in text and "<table>" in hk_summary._repr_html_()
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):  # (batch, 8, 8, 1): channels last, like Haiku's
+        self.conv = nnx.Conv(1, 4, (3, 3), padding="SAME", rngs=rngs)
+        # One scale and offset per element of the (8, 8, 4) feature map, like the twins'.
+        self.norm = nnx.LayerNorm(8 * 8 * 4, reduction_axes=(-3, -2, -1), feature_axes=(-3, -2, -1), rngs=rngs)
+        self.head = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.norm(self.conv(x)))
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+def test_summary_of_the_nnx_twin_lists_the_same_kinds_counts_and_shapes():
+    eqx_model, eqx_x = EqxNet(jax.random.key(0)), jnp.ones((1, 8, 8))
+    t = hk.transform(haiku_net)
+    x = jnp.ones((1, 8, 8, 1))
+    hk_model = px.from_haiku(t, t.init(jax.random.key(0), x))
+    nnx_model = px.from_nnx(NnxNet(nnx.Rngs(0)))
+    summaries = [px.summary(eqx_model, eqx_x), px.summary(hk_model, x), px.summary(nnx_model, x)]
+    layers = lambda s: [(r.kind, r.trainable, r.non_trainable) for r in s.rows if r.kind in ("conv", "norm", "linear")]
+    expected = [("conv", 40, 0), ("norm", 512, 0), ("linear", 2570, 0)]
+    assert [layers(s) for s in summaries] == [expected] * 3
+    assert [s.total for s in summaries] == [(40 + 512 + 2570, 0)] * 3
+    # The batched twins (Haiku, NNX) have the same output shapes; Equinox's are per example.
+    shapes = lambda s: [r.output_shapes for r in s.rows if r.kind in ("conv", "norm", "linear")]
+    assert shapes(summaries[2]) == shapes(summaries[1]) == [((1, 8, 8, 4),), ((1, 8, 8, 4),), ((1, 10),)]
+    assert shapes(summaries[0]) == [((4, 8, 8),), ((4, 8, 8),), ((10,),)]
+    assert px.num_features(nnx_model, x) == px.num_features(hk_model, x) == px.num_features(eqx_model, eqx_x) == 10
+    assert px.model_sizes(nnx_model, x) == {"conv": ((1, 8, 8, 4),), "norm": ((1, 8, 8, 4),), "head": ((1, 10),)}
+    assert "conv" in str(summaries[2]) and "3,122 trainable" in str(summaries[2])
 
 
 def recorded(tmp_path=None):
