@@ -9,6 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 from ._logs import AbstractLog, MeanLog
 
@@ -44,7 +45,21 @@ class HistogramLog(AbstractLog):
     range: tuple[float, float] = eqx.field(static=True, default=(0.0, 10.0))
 
     def __call__(self, args: Any) -> Any:
-        return _leafwise(lambda x: jnp.histogram(x, self.bins, self.range)[0], args)
+        return _leafwise(self._counts, args)
+
+    def _counts(self, x: Any) -> Any:
+        # jnp.histogram lowers to a binary search plus a scatter-add; computing the bin
+        # directly and counting with bincount is ~2x faster on CPU. The two corrections
+        # reproduce numpy's handling of values that rounding puts in a neighbour bin.
+        low, high = self.range
+        x = jnp.ravel(x)
+        # The edges numpy.histogram uses (computed in float64, then cast).
+        edges = jnp.asarray(np.linspace(low, high, self.bins + 1).astype(x.dtype))
+        index = jnp.clip(jnp.floor((x - low) * (self.bins / (high - low))).astype(jnp.int32), 0, self.bins - 1)
+        index = index - (x < edges[index])
+        index = index + ((x >= edges[index + 1]) & (index != self.bins - 1))
+        inside = (x >= low) & (x <= high)
+        return jnp.bincount(jnp.where(inside, index, self.bins), length=self.bins + 1)[: self.bins]
 
 
 class AbsMaxLog(AbstractLog):

@@ -248,3 +248,15 @@ def test_pooled_statistics_equal_statistics_of_the_whole_batch():
         np.testing.assert_allclose(pooled[path]["std"], batch.std(), rtol=1e-4)
         np.testing.assert_allclose(pooled[path]["near_zero"], np.mean(batch <= 0.05), rtol=1e-6)
         np.testing.assert_array_equal(pooled[path]["hist"], np.histogram(batch, 40, (0, 10))[0])
+
+
+@pytest.mark.parametrize("bins, value_range", [(40, (0.0, 10.0)), (7, (-2.0, 3.0)), (3, (0.1, 0.7))])
+def test_histogram_matches_numpy_at_bin_edges(bins, value_range):
+    low, high = value_range
+    edges = np.linspace(low, high, bins + 1, dtype=np.float32)
+    # Exact edges, their float neighbours, the range's ends and values outside it.
+    values = np.concatenate([edges, np.nextafter(edges, -np.inf), np.nextafter(edges, np.inf), [low - 1, high + 1]]).astype(np.float32)
+    # XLA flushes subnormals (the neighbours of 0.0) to zero; numpy does not.
+    values = values[(values == 0) | (np.abs(values) >= np.finfo(np.float32).tiny)]
+    got = jax.jit(px.HistogramLog(bins, value_range))(values)
+    np.testing.assert_array_equal(got, np.histogram(values, bins=bins, range=value_range)[0])
