@@ -49,10 +49,17 @@ def _size(tree: Any) -> int:
 
 def haiku_path(module_name: str) -> tuple[str, ...]:
     """`"mlp/~/linear_0"` -> `("mlp", "linear_0")`: submodule (`/~/`) and name-scope
-    (`/`) separators both become path segments."""
+    (`/`) separators both become path separators, and a module created inside another
+    module's method `m` (`"coder/~encode/down"`) sits under that method:
+    `("coder", "encode", "down")`."""
     return tuple(
-        segment for part in module_name.split("/~/") for segment in part.split("/") if segment
+        segment.removeprefix("~") for segment in module_name.split("/") if segment not in ("", "~")
     )
+
+
+def _layer_methods(methods: Sequence[str]) -> tuple[str, ...]:
+    # A constructor call is not a layer call (and its module has no name yet).
+    return tuple(method for method in methods if method != "__init__")
 
 
 def _params_path(key: str) -> tuple[str, ...]:
@@ -130,7 +137,7 @@ def haiku_function(fn: Callable, *, methods: Sequence[str] = ("__call__",)) -> H
     A `HaikuFunction` to pass to `px.ForwardHook` inside the transformed function;
     return the log from the transformed function to get it out.
     """
-    return HaikuFunction(fn, tuple(methods))
+    return HaikuFunction(fn, _layer_methods(methods))
 
 
 class HaikuModule(_AbstractHaiku):
@@ -260,5 +267,5 @@ def from_haiku(
     return HaikuModule(
         params=params, state=state if stateful else None, rng=rng,
         apply_fn=transformed.apply, stateful=stateful, takes_rng=takes_rng,
-        methods=tuple(methods),
+        methods=_layer_methods(methods),
     )

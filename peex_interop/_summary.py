@@ -56,7 +56,7 @@ class LayerRow:
     output_shapes: tuple[tuple[int, ...], ...]
 
 
-class _Recorder:
+class _SiteFacts:
     """A policy that records static facts of every call site (shapes, types, counts)."""
 
     selection = Selection()
@@ -134,14 +134,14 @@ def summary(model: Any, *args: Any, **kwargs: Any) -> Summary:
 
     A `Summary` (print it, or read `.rows`).
     """
-    recorder = _Recorder()
+    facts = _SiteFacts()
 
     def run(model, args, kwargs):
-        with hooking(model, recorder):
+        with hooking(model, facts):
             return model(*args, **kwargs)
 
     eqx.filter_eval_shape(run, model, args, kwargs)
-    return Summary(type(model).__name__, tuple(recorder.rows), total_params(model))
+    return Summary(type(model).__name__, tuple(facts.rows), total_params(model))
 
 
 def model_sizes(model: Any, *args: Any, **kwargs: Any) -> dict[str, tuple[tuple[int, ...], ...]]:

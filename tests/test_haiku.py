@@ -292,3 +292,28 @@ def test_bad_input():
         px.from_haiku(mlp_fn, params)
     with pytest.raises(px.HookError, match="closest available paths: mlp.linear_0"):
         px.ForwardHook(model, where="mlp.linear0")
+
+
+class Coder(hk.Module):
+    def __call__(self, x):
+        return self.decode(self.encode(x))
+
+    def encode(self, x):
+        return jnp.tanh(hk.Linear(2, name="down")(x))
+
+    def decode(self, z):
+        return hk.Linear(5, name="up")(z)
+
+
+def test_other_methods_are_selectable_and_init_is_never_hooked():
+    transformed = hk.without_apply_rng(hk.transform(lambda x: Coder(name="coder")(x)))
+    x = jnp.ones((3, 5))
+    params = transformed.init(jax.random.key(0), x)
+    default = px.from_haiku(transformed, params)
+    # Modules created inside a method (Haiku's `coder/~encode/down`) sit under it.
+    assert set(px.ForwardHook(default, log_fn=px.MeanLog())(x)[1]) == {"coder", "coder.encode.down", "coder.decode.up"}
+    both = px.from_haiku(transformed, params, methods=("__call__", "encode", "__init__"))
+    _, log = px.ForwardHook(both, log_fn=px.IdentityLog())(x)
+    assert set(log) == {"coder", "coder.encode", "coder.encode.down", "coder.decode.up"}  # no __init__
+    down = params["coder/~encode/down"]
+    np.testing.assert_allclose(log["coder.encode"], jnp.tanh(x @ down["w"] + down["b"]), rtol=1e-6)
