@@ -265,16 +265,19 @@ def check_same_shape(path: str, role: str, expected: Any, got: Any) -> None:
 
 
 # -- the thread's active contexts ------------------------------------------------------
-_thread = threading.local()
+class ThreadStack(threading.local):
+    """A list per thread (`threading.local` runs `__init__` once in each thread)."""
+
+    def __init__(self):
+        self.items: list = []
+
+
+_contexts = ThreadStack()
 
 
 def active() -> list[HookContext]:
     """Contexts active in this thread, outermost first (other threads never see them)."""
-    try:
-        return _thread.contexts
-    except AttributeError:
-        _thread.contexts = []
-        return _thread.contexts
+    return _contexts.items
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ submodule's NNX path. A submodule is named, in this order:
 import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -315,15 +314,11 @@ class _Call:
         )
 
 
-_thread = threading.local()
+_calls_in_thread = _context.ThreadStack()
 
 
 def _calls() -> list[_Call]:
-    try:
-        return _thread.calls
-    except AttributeError:
-        _thread.calls = []
-        return _thread.calls
+    return _calls_in_thread.items
 
 
 def _routed_call(original: Callable) -> Callable:
