@@ -88,6 +88,9 @@ class HookContext:
         self, root: Any, policy: Policy, probes: dict | None, discovering: bool
     ):
         self.policy = policy
+        # Read once: the wrappers build their selection from static fields on access.
+        self.selection = policy.selection
+        self.renames = self.selection.rename
         self.discovering = discovering
         self.modules: dict[int, tuple[tuple[str, ...], Any]] = {}
         self.leaves: dict[int, tuple[tuple[str, ...], Any]] = {}
@@ -151,11 +154,11 @@ class HookContext:
         self.frames.append((owner, local))
         try:
             kind = layer_kind(owner, module)
-            if not self.policy.selection.selects(path, module, kind):
+            if not self.selection.selects(path, module, kind):
                 return call(*args, **kwargs)
             count = self.counts.get(path, 0)
             self.counts[path] = count + 1
-            name = self.policy.selection.rename.get(path, path)
+            name = self.renames.get(path, path)
             key = name if count == 0 else f"{name}@{count}"
             return self.policy.run_site(self, Site(path, key, owner, module, kind, call, args, kwargs))
         finally:
