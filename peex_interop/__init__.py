@@ -1,6 +1,6 @@
 """One runtime hook-and-log API for Equinox (and converted Haiku / Flax NNX) models."""
 
-from ._align import (
+from ._migration._align import (
     align as align,
     Alignment as Alignment,
     compare as compare,
@@ -8,21 +8,21 @@ from ._align import (
     ComparisonRow as ComparisonRow,
 )
 
-from ._backward import BackwardHook as BackwardHook
-from ._errors import HookError as HookError, TransformError as TransformError
-from ._forward import ForwardHook as ForwardHook
-from ._haiku import (
+from ._hooks._backward import BackwardHook as BackwardHook
+from ._engine._errors import HookError as HookError, TransformError as TransformError
+from ._hooks._forward import ForwardHook as ForwardHook
+from ._adapters._haiku import (
     from_haiku as from_haiku,
     haiku_function as haiku_function,
     HaikuFunction as HaikuFunction,
     HaikuModule as HaikuModule,
 )
-from ._hooks import (
+from ._hooks._hooks import (
     AbstractHook as AbstractHook,
     FunctionHook as FunctionHook,
     IdentityHook as IdentityHook,
 )
-from ._logs import (
+from ._hooks._logs import (
     AbstractLog as AbstractLog,
     FunctionLog as FunctionLog,
     IdentityLog as IdentityLog,
@@ -30,18 +30,18 @@ from ._logs import (
     MeanStdLog as MeanStdLog,
     NoneLog as NoneLog,
 )
-from ._nnx import from_nnx as from_nnx, to_nnx as to_nnx, NnxModule as NnxModule
-from ._kinds import KINDS as KINDS
-from ._paths import module_paths as module_paths
-from ._recorder import Recorder as Recorder
-from ._rename import rename as rename
-from ._selection import (
+from ._adapters._nnx import from_nnx as from_nnx, to_nnx as to_nnx, NnxModule as NnxModule
+from ._engine._kinds import KINDS as KINDS
+from ._engine._paths import module_paths as module_paths
+from ._diagnostics._recorder import Recorder as Recorder
+from ._migration._rename import rename as rename
+from ._engine._selection import (
     all_of as all_of,
     glob_to_regex as glob_to_regex,
     kind as kind,
     not_ as not_,
 )
-from ._stats import (
+from ._diagnostics._stats import (
     AbsMaxLog as AbsMaxLog,
     activation_stats as activation_stats,
     HistogramLog as HistogramLog,
@@ -51,7 +51,7 @@ from ._stats import (
     StatsLog as StatsLog,
     StdLog as StdLog,
 )
-from ._summary import (
+from ._diagnostics._summary import (
     LayerRow as LayerRow,
     model_sizes as model_sizes,
     num_features as num_features,
@@ -59,4 +59,4 @@ from ._summary import (
     summary as summary,
     total_params as total_params,
 )
-from ._transfer import transfer_params as transfer_params
+from ._migration._transfer import transfer_params as transfer_params

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import peex_interop as px
-from peex_interop import _patching
+from peex_interop._engine import _patching
 
 
 def close(a, b, tol=1e-5):

@@ -4,8 +4,8 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from ._context import HookContext, Site
-from ._engine import hooking
+from .._engine._context import HookContext, Site
+from .._engine._hooking import hooking
 from ._hooks import AbstractHook, IdentityHook, as_hook
 from ._logs import AbstractLog, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._backward import BackwardHook
-from ._forward import ForwardHook
-from ._logs import IdentityLog
-from ._summary import summary
+from .._hooks._backward import BackwardHook
+from .._hooks._forward import ForwardHook
+from .._hooks._logs import IdentityLog
+from .._diagnostics._summary import summary
 
 DEFAULT_KINDS = ("linear", "conv", "attention", "norm", "embedding", "recurrent", "pool")
 

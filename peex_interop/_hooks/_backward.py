@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._context import HookContext, Site, check_same_shape
-from ._engine import hooking, zeros_like_arrays
+from .._engine._context import HookContext, Site, check_same_shape
+from .._engine._hooking import hooking, zeros_like_arrays
 from ._hooks import AbstractHook, IdentityHook, as_hook
 from ._logs import AbstractLog, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields

@@ -10,8 +10,8 @@ methods, `jax.vmap(self.proj)` inside library layers, and layers rebuilt inside 
 from collections.abc import Iterable
 from typing import Any
 
-from . import _context, _patching
-from ._paths import AbstractTransparent
+from .._engine import _context, _patching
+from .._engine._paths import AbstractTransparent
 
 
 def _hooked_call(original: Any) -> Any:

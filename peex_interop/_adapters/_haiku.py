@@ -15,11 +15,11 @@ import haiku as hk
 import jax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _context
-from ._errors import HookError
-from ._kinds import kind_of
-from ._paths import AbstractConverted
-from ._transfer import canonical_params, fitted_params
+from .._engine import _context
+from .._engine._errors import HookError
+from .._engine._kinds import kind_of
+from .._engine._paths import AbstractConverted
+from .._migration._transfer import canonical_params, fitted_params
 
 # Haiku parameter names -> px.transfer_params' canonical names (Haiku's `w` is already
 # (in, out) / (*window, in, out)).

@@ -16,8 +16,8 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._errors import HookError
-from ._paths import AbstractConverted, join, walk
+from .._engine._errors import HookError
+from .._engine._paths import AbstractConverted, join, walk
 
 _EQUINOX_FIELDS = {
     eqx.nn.Linear: {"kernel": "weight", "bias": "bias"},

@@ -28,11 +28,11 @@ import jax.tree_util as jtu
 from flax import nnx
 from jaxtyping import PyTree
 
-from . import _context, _patching
-from ._errors import HookError
-from ._kinds import kind_of
-from ._paths import AbstractConverted
-from ._transfer import canonical_params, fitted_params
+from .._engine import _context, _patching
+from .._engine._errors import HookError
+from .._engine._kinds import kind_of
+from .._engine._paths import AbstractConverted
+from .._migration._transfer import canonical_params, fitted_params
 
 Path = tuple[str, ...]
 

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 
 from . import _patching
 from ._context import HookContext, Policy, entered
-from ._equinox import class_patches
+from .._adapters._equinox import class_patches
 from ._transforms import transform_patches
 
 

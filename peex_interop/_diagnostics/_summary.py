@@ -8,10 +8,10 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._context import HookContext, Site
-from ._engine import hooking
-from ._paths import AbstractConverted
-from ._selection import Selection
+from .._engine._context import HookContext, Site
+from .._engine._hooking import hooking
+from .._engine._paths import AbstractConverted
+from .._engine._selection import Selection
 
 
 def _counts(tree: Any) -> tuple[int, int]:

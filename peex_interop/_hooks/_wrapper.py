@@ -5,9 +5,9 @@ from typing import Any
 
 import equinox as eqx
 
-from ._engine import check_model
-from ._paths import AbstractTransparent, module_paths, paths_known
-from ._selection import Selection
+from .._engine._hooking import check_model
+from .._engine._paths import AbstractTransparent, module_paths, paths_known
+from .._engine._selection import Selection
 
 
 class AbstractHookWrapper(AbstractTransparent):

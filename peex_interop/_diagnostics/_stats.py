@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._logs import AbstractLog, MeanLog
+from .._hooks._logs import AbstractLog, MeanLog
 
 
 def _leafwise(statistic, value: Any) -> Any:
