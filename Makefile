@@ -1,7 +1,13 @@
-# Everything a fresh machine needs: `make demo`, `make test`, `make bench`.
+# Everything a fresh machine needs: `make demo`, `make test`, `make docs`, `make lint`,
+# `make bench`; `make check-core` checks the no-extras install in a venv of its own.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CORE_VENV := build/core-venv
+# The Equinox-only test modules, and the adapters' (which skip without their library).
+CORE_TESTS := tests/test_backward.py tests/test_depth.py tests/test_peex_compat.py \
+	tests/test_safety.py tests/test_selection.py tests/test_transforms.py \
+	tests/test_packaging.py tests/test_haiku.py tests/test_nnx.py
 
 # The first Python >= 3.12 that actually runs (pyenv shims can exist without a usable version).
 FIND_PYTHON := for c in $(PYTHON) python3.13 python3.12 python3 \
@@ -9,15 +15,16 @@ FIND_PYTHON := for c in $(PYTHON) python3.13 python3.12 python3 \
 	$(wildcard /usr/local/bin/python3.1[2-9]) $(wildcard /usr/bin/python3.1[2-9]); do \
 	  if $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then echo $$c; break; fi; \
 	done
+NEW_VENV = py=$$($(FIND_PYTHON)); \
+	if [ -z "$$py" ]; then echo "error: peex_interop needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi; \
+	echo "using $$py"; $$py -m venv
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs lint bench check-core clean
 
 $(STAMP): pyproject.toml
-	@py=$$($(FIND_PYTHON)); \
-	if [ -z "$$py" ]; then echo "error: peex_interop needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi; \
-	echo "using $$py"; $$py -m venv $(VENV)
+	@$(NEW_VENV) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,demo,bench]'
+	$(PY) -m pip install --quiet -e '.[test,demo,bench,docs,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,8 +33,26 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# The site goes to site/; --strict turns every warning (a broken link or reference) into a failure.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check peex_interop tests examples benchmarks
+	$(VENV)/bin/pyright peex_interop
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --out docs/benchmarks.md
 
+# `pip install .` with no extras, in a fresh venv: only the core dependencies, no Haiku or
+# Flax on import, then the Equinox tests there (test tools installed after the check).
+check-core:
+	rm -rf $(CORE_VENV)
+	@$(NEW_VENV) $(CORE_VENV)
+	$(CORE_VENV)/bin/python -m pip install --quiet .
+	$(CORE_VENV)/bin/python .ci/check_core_install.py
+	$(CORE_VENV)/bin/python -m pip install --quiet pytest hypothesis peex==0.0.3
+	$(CORE_VENV)/bin/python -m pytest -p no:cacheprovider $(CORE_TESTS)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(CORE_VENV) site

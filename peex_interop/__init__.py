@@ -1,5 +1,10 @@
 """One runtime hook-and-log API for Equinox (and converted Haiku / Flax NNX) models."""
 
+import importlib as _importlib
+from typing import Any as _Any, TYPE_CHECKING
+
+from ._optional import needs as _needs
+
 from ._migration._align import (
     align as align,
     Alignment as Alignment,
@@ -11,12 +16,6 @@ from ._migration._align import (
 from ._hooks._backward import BackwardHook as BackwardHook
 from ._engine._errors import HookError as HookError, TransformError as TransformError
 from ._hooks._forward import ForwardHook as ForwardHook
-from ._adapters._haiku import (
-    from_haiku as from_haiku,
-    haiku_function as haiku_function,
-    HaikuFunction as HaikuFunction,
-    HaikuModule as HaikuModule,
-)
 from ._hooks._hooks import (
     AbstractHook as AbstractHook,
     FunctionHook as FunctionHook,
@@ -30,7 +29,6 @@ from ._hooks._logs import (
     MeanStdLog as MeanStdLog,
     NoneLog as NoneLog,
 )
-from ._adapters._nnx import from_nnx as from_nnx, to_nnx as to_nnx, NnxModule as NnxModule
 from ._engine._kinds import KINDS as KINDS
 from ._engine._paths import module_paths as module_paths
 from ._diagnostics._recorder import Recorder as Recorder
@@ -60,3 +58,92 @@ from ._diagnostics._summary import (
     total_params as total_params,
 )
 from ._migration._transfer import transfer_params as transfer_params
+
+
+__version__ = "0.1.0"
+
+# The adapters import their library, which the core does not need: they load on first
+# use of one of their names, so `import peex_interop` imports neither Haiku nor Flax.
+if TYPE_CHECKING:
+    from ._adapters._haiku import (
+        from_haiku as from_haiku,
+        haiku_function as haiku_function,
+        HaikuFunction as HaikuFunction,
+        HaikuModule as HaikuModule,
+    )
+    from ._adapters._nnx import from_nnx as from_nnx, NnxModule as NnxModule, to_nnx as to_nnx
+
+# Public name -> (the adapter module that defines it, the optional library it imports).
+_LAZY: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(
+        ("from_haiku", "haiku_function", "HaikuFunction", "HaikuModule"), ("._adapters._haiku", "haiku")
+    ),
+    **dict.fromkeys(("from_nnx", "to_nnx", "NnxModule"), ("._adapters._nnx", "flax")),
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, library = _LAZY[name]
+    with _needs(f"px.{name}", library):
+        value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    # The public names (adapters included, loaded or not) and the module's dunders.
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
+__all__ = [
+    "AbsMaxLog",
+    "AbstractHook",
+    "AbstractLog",
+    "activation_stats",
+    "align",
+    "Alignment",
+    "all_of",
+    "BackwardHook",
+    "compare",
+    "Comparison",
+    "ComparisonRow",
+    "ForwardHook",
+    "from_haiku",
+    "from_nnx",
+    "FunctionHook",
+    "FunctionLog",
+    "glob_to_regex",
+    "haiku_function",
+    "HaikuFunction",
+    "HaikuModule",
+    "HistogramLog",
+    "HookError",
+    "IdentityHook",
+    "IdentityLog",
+    "kind",
+    "KINDS",
+    "L2NormLog",
+    "LayerRow",
+    "MeanLog",
+    "MeanStdLog",
+    "model_sizes",
+    "module_paths",
+    "NearZeroLog",
+    "NnxModule",
+    "NoneLog",
+    "not_",
+    "num_features",
+    "pool_stats",
+    "Recorder",
+    "rename",
+    "StatsLog",
+    "StdLog",
+    "summary",
+    "Summary",
+    "to_nnx",
+    "total_params",
+    "transfer_params",
+    "TransformError",
+]

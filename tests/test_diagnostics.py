@@ -1,5 +1,10 @@
 """Statistics logs, summaries, parameter counts and the recorder."""
 
+import pytest
+
+pytest.importorskip("haiku")  # skipped where the [haiku] extra is not installed
+pytest.importorskip("flax")  # skipped where the [flax] extra is not installed
+
 import math
 
 import equinox as eqx
@@ -7,7 +12,6 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 import peex_interop as px

@@ -1,12 +1,15 @@
 """Haiku models (from hk.nets and hk's own layers) converted with px.from_haiku."""
 
+import pytest
+
+pytest.importorskip("haiku")  # skipped where the [haiku] extra is not installed
+
 import equinox as eqx
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from haiku._src import module as hk_module
 
 import peex_interop as px

@@ -1,5 +1,10 @@
 """Canonical paths and kinds across libraries, align / compare / rename / transfer."""
 
+import pytest
+
+pytest.importorskip("haiku")  # skipped where the [haiku] extra is not installed
+pytest.importorskip("flax")  # skipped where the [flax] extra is not installed
+
 import sys
 from pathlib import Path
 
@@ -8,7 +13,6 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 import peex_interop as px

@@ -2,6 +2,10 @@
 `nnx.capture`, backward logs against `jax.vjp` and NNX's `perturb`, state, transforms,
 training and the way back, patch scoping and threads."""
 
+import pytest
+
+pytest.importorskip("flax")  # skipped where the [flax] extra is not installed
+
 import threading
 
 import equinox as eqx
@@ -9,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 import peex_interop as px
