@@ -1,0 +1,189 @@
+"""The package as installed: what `import peex_interop` loads, what a missing optional
+library says, the public names and their API reference, and the docs site's coverage."""
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import peex_interop as px
+from peex_interop._optional import EXTRAS
+
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "peex_interop"
+LAZY = px._LAZY
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def without(modules: list[str], code: str) -> str:
+    """`code`, run as if `modules` were not installed (their imports fail like a missing one)."""
+    return f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {modules!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+{code}
+"""
+
+
+def test_import_loads_no_optional_library():
+    result = run_python("import sys, peex_interop; print(sorted(sys.modules))")
+    assert result.returncode == 0, result.stderr
+    loaded = set(result.stdout.split("'")[1::2])
+    assert "peex_interop" in loaded
+    assert not loaded & {*EXTRAS, "optax"}, loaded & {*EXTRAS, "optax"}
+
+
+def test_import_works_with_every_optional_library_missing():
+    result = run_python(without([*EXTRAS], "import peex_interop as px; print(px.ForwardHook.__name__)"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ForwardHook"
+
+
+@pytest.mark.parametrize("name", sorted(LAZY))
+def test_a_missing_adapter_library_names_the_extra(name):
+    library = LAZY[name][1]
+    distribution, extra = EXTRAS[library]
+    code = without([library], f"import peex_interop as px\ntry:\n    px.{name}\nexcept ImportError as e:\n    print(repr(e))")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == repr(ImportError(f"px.{name} needs {distribution}: pip install 'peex_interop[{extra}]'"))
+
+
+@pytest.mark.parametrize("name", sorted(LAZY))
+def test_adapter_names_load_on_first_use(name):
+    importorskip_library = pytest.importorskip(LAZY[name][1])
+    assert importorskip_library is not None
+    value = getattr(px, name)
+    assert value.__name__ == name
+    assert value.__module__ == f"peex_interop{LAZY[name][0]}"
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'from_keras'"):
+        px.from_keras  # noqa: B018
+
+
+def test_all_lists_exactly_the_public_names():
+    public = {name for name in vars(px) if not name.startswith("_")} - {"TYPE_CHECKING"}
+    assert len(px.__all__) == len(set(px.__all__))
+    assert set(px.__all__) == public | set(LAZY)
+    assert set(px.__all__) <= set(dir(px))
+
+
+def test_type_checkers_see_the_lazy_names():
+    # The `if TYPE_CHECKING:` block imports exactly the lazily loaded names, from their modules.
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    seen = {
+        alias.asname: ("." * node.level + (node.module or ""))
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert seen == {name: module for name, (module, _) in LAZY.items()}
+
+
+def imports(file: Path) -> list[tuple[ast.Import | ast.ImportFrom, set[str], bool, list[str]]]:
+    """Each import in `file`: the package modules (paths without `.py`) or top-level
+    libraries it names, whether it runs when the module is imported (not inside a
+    function), and the `with` contexts around it."""
+    found = []
+
+    def targets(node: ast.Import | ast.ImportFrom) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name.partition(".")[0] for a in node.names}
+        if not node.level:
+            return {(node.module or "").partition(".")[0]}
+        base = file.parent
+        for _ in range(node.level - 1):
+            base = base.parent
+        names = [node.module] if node.module else [a.name for a in node.names]
+        return {str(base.joinpath(*n.split("."))) for n in names}
+
+    def visit(node: ast.AST, in_function: bool, guards: list[str]) -> None:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append((node, targets(node), not in_function, guards))
+        if isinstance(node, ast.With):
+            guards = [*guards, *(ast.unparse(i.context_expr) for i in node.items)]
+        if isinstance(node, ast.FunctionDef) and node.name == "__rich__":
+            guards = [*guards, "needs(rich calls it, 'rich')"]  # only rich itself calls `__rich__`
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef), guards)
+
+    visit(ast.parse(file.read_text()), False, [])
+    return found
+
+
+def test_every_optional_import_says_what_to_install():
+    # A feature that imports an optional library when called (directly, or through a
+    # package module that imports it at the top) does so inside `needs(..., library)`.
+    files = sorted(PACKAGE.rglob("*.py"))
+    top = {str(f.with_suffix("")): {t for _, ts, at_top, _ in imports(f) if at_top for t in ts} for f in files}
+    libraries: dict[str, set[str]] = {}
+
+    def needed(target: str, seen: frozenset = frozenset()) -> set[str]:
+        if target in EXTRAS:
+            return {target}
+        if target not in top or target in seen:
+            return set()
+        return {lib for t in top[target] for lib in needed(t, seen | {target})}
+
+    problems = []
+    for file in files:
+        for node, targets, at_top, guards in imports(file):
+            if at_top:
+                continue
+            for library in {lib for t in targets for lib in needed(t)}:
+                if not any(g.startswith(("needs(", "_needs(")) and repr(library) in g for g in guards):
+                    problems.append(f"{file.relative_to(ROOT)}:{node.lineno} imports {library} outside `with needs(..., {library!r})`")
+    assert not problems, "\n".join(problems)
+
+
+def test_version_is_the_installed_metadata_version():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", px.__version__)
+    assert metadata.version("peex_interop") == px.__version__
+
+
+def test_package_metadata():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert (PACKAGE / "py.typed").exists()
+    # The core needs only these three; each optional library has an extra that brings it.
+    core = {re.match(r"[\w-]+", r)[0] for r in project["dependencies"]}
+    assert core == {"jax", "equinox", "jaxtyping"}
+    extras = project["optional-dependencies"]
+    for distribution, extra in EXTRAS.values():
+        assert any(r.startswith(distribution) for r in extras[extra]), (distribution, extra)
+
+
+# -- the docs site ----------------------------------------------------------------------
+def api_reference() -> str:
+    return "\n".join(page.read_text() for page in sorted((ROOT / "docs/api").glob("*.md")))
+
+
+def test_every_public_name_is_in_the_api_reference():
+    documented = set(re.findall(r"^::: peex_interop\.(\w+)", api_reference(), flags=re.M))
+    assert set(px.__all__) - documented == set(), "add these to docs/api/*.md"
+    assert documented - set(px.__all__) == set(), "not public: remove from docs/api/*.md"
+
+
+def test_every_page_and_example_is_on_the_site():
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = set(re.findall(r"^\s*- (?:[^:\n]+: )?([\w/.-]+\.md)\s*$", config, flags=re.M))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert pages == nav
+    examples = (ROOT / "docs/examples.md").read_text()
+    included = set(re.findall(r'--8<-- "(examples/[\w.]+\.py)"', examples))
+    assert included == {p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.py")}
