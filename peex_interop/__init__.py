@@ -3,42 +3,7 @@
 import importlib as _importlib
 from typing import Any as _Any, TYPE_CHECKING
 
-from ._optional import needs as _needs
-
-from ._migration._align import (
-    align as align,
-    Alignment as Alignment,
-    compare as compare,
-    Comparison as Comparison,
-    ComparisonRow as ComparisonRow,
-)
-
-from ._hooks._backward import BackwardHook as BackwardHook
-from ._engine._errors import HookError as HookError, TransformError as TransformError
-from ._hooks._forward import ForwardHook as ForwardHook
-from ._hooks._hooks import (
-    AbstractHook as AbstractHook,
-    FunctionHook as FunctionHook,
-    IdentityHook as IdentityHook,
-)
-from ._hooks._logs import (
-    AbstractLog as AbstractLog,
-    FunctionLog as FunctionLog,
-    IdentityLog as IdentityLog,
-    MeanLog as MeanLog,
-    MeanStdLog as MeanStdLog,
-    NoneLog as NoneLog,
-)
-from ._engine._kinds import KINDS as KINDS
-from ._engine._paths import module_paths as module_paths
 from ._diagnostics._recorder import Recorder as Recorder
-from ._migration._rename import rename as rename
-from ._engine._selection import (
-    all_of as all_of,
-    glob_to_regex as glob_to_regex,
-    kind as kind,
-    not_ as not_,
-)
 from ._diagnostics._stats import (
     AbsMaxLog as AbsMaxLog,
     activation_stats as activation_stats,
@@ -57,8 +22,40 @@ from ._diagnostics._summary import (
     summary as summary,
     total_params as total_params,
 )
+from ._engine._errors import HookError as HookError, TransformError as TransformError
+from ._engine._kinds import KINDS as KINDS
+from ._engine._paths import module_paths as module_paths
+from ._engine._selection import (
+    all_of as all_of,
+    glob_to_regex as glob_to_regex,
+    kind as kind,
+    not_ as not_,
+)
+from ._hooks._backward import BackwardHook as BackwardHook
+from ._hooks._forward import ForwardHook as ForwardHook
+from ._hooks._hooks import (
+    AbstractHook as AbstractHook,
+    FunctionHook as FunctionHook,
+    IdentityHook as IdentityHook,
+)
+from ._hooks._logs import (
+    AbstractLog as AbstractLog,
+    FunctionLog as FunctionLog,
+    IdentityLog as IdentityLog,
+    MeanLog as MeanLog,
+    MeanStdLog as MeanStdLog,
+    NoneLog as NoneLog,
+)
+from ._migration._align import (
+    align as align,
+    Alignment as Alignment,
+    compare as compare,
+    Comparison as Comparison,
+    ComparisonRow as ComparisonRow,
+)
+from ._migration._rename import rename as rename
 from ._migration._transfer import transfer_params as transfer_params
-
+from ._optional import needs as _needs
 
 __version__ = "0.1.0"
 
@@ -98,52 +95,52 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "KINDS",
     "AbsMaxLog",
     "AbstractHook",
     "AbstractLog",
-    "activation_stats",
-    "align",
     "Alignment",
-    "all_of",
     "BackwardHook",
-    "compare",
     "Comparison",
     "ComparisonRow",
     "ForwardHook",
-    "from_haiku",
-    "from_nnx",
     "FunctionHook",
     "FunctionLog",
-    "glob_to_regex",
-    "haiku_function",
     "HaikuFunction",
     "HaikuModule",
     "HistogramLog",
     "HookError",
     "IdentityHook",
     "IdentityLog",
-    "kind",
-    "KINDS",
     "L2NormLog",
     "LayerRow",
     "MeanLog",
     "MeanStdLog",
-    "model_sizes",
-    "module_paths",
     "NearZeroLog",
     "NnxModule",
     "NoneLog",
+    "Recorder",
+    "StatsLog",
+    "StdLog",
+    "Summary",
+    "TransformError",
+    "activation_stats",
+    "align",
+    "all_of",
+    "compare",
+    "from_haiku",
+    "from_nnx",
+    "glob_to_regex",
+    "haiku_function",
+    "kind",
+    "model_sizes",
+    "module_paths",
     "not_",
     "num_features",
     "pool_stats",
-    "Recorder",
     "rename",
-    "StatsLog",
-    "StdLog",
     "summary",
-    "Summary",
     "to_nnx",
     "total_params",
     "transfer_params",
-    "TransformError",
 ]

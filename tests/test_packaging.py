@@ -50,14 +50,26 @@ def test_import_works_with_every_optional_library_missing():
     assert result.stdout.strip() == "ForwardHook"
 
 
-@pytest.mark.parametrize("name", sorted(LAZY))
-def test_a_missing_adapter_library_names_the_extra(name):
-    library = LAZY[name][1]
+# (what the user runs, the feature the error names, the library it needs)
+MISSING = [
+    *((f"px.{name}", f"px.{name}", library) for name, (_, library) in sorted(LAZY.items())),
+    ("px.Recorder(tensorboard_dir='tb')", "px.Recorder(tensorboard_dir=...)", "tensorboardX"),
+    ("px.Recorder(progress=True).track(range(2))", "px.Recorder(progress=True)", "tqdm"),
+    ("px.Recorder().plot_layer_stats('layer')", "px.Recorder.plot_layer_stats", "matplotlib"),
+    ("px.Recorder().color_dim('layer')", "px.Recorder.color_dim", "matplotlib"),
+]
+
+
+@pytest.mark.parametrize(("statement", "feature", "library"), MISSING, ids=[m[0] for m in MISSING])
+def test_a_missing_optional_library_says_what_to_install(statement, feature, library, tmp_path):
     distribution, extra = EXTRAS[library]
-    code = without([library], f"import peex_interop as px\ntry:\n    px.{name}\nexcept ImportError as e:\n    print(repr(e))")
-    result = run_python(code)
+    code = f"import peex_interop as px\ntry:\n    {statement}\nexcept ImportError as e:\n    print(repr(e))"
+    result = subprocess.run(
+        [sys.executable, "-c", without([library], code)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == repr(ImportError(f"px.{name} needs {distribution}: pip install 'peex_interop[{extra}]'"))
+    message = f"{feature} needs {distribution}: pip install 'peex_interop[{extra}]'"
+    assert result.stdout.strip() == repr(ImportError(message))
 
 
 @pytest.mark.parametrize("name", sorted(LAZY))
@@ -130,7 +142,6 @@ def test_every_optional_import_says_what_to_install():
     # package module that imports it at the top) does so inside `needs(..., library)`.
     files = sorted(PACKAGE.rglob("*.py"))
     top = {str(f.with_suffix("")): {t for _, ts, at_top, _ in imports(f) if at_top for t in ts} for f in files}
-    libraries: dict[str, set[str]] = {}
 
     def needed(target: str, seen: frozenset = frozenset()) -> set[str]:
         if target in EXTRAS:
@@ -146,7 +157,8 @@ def test_every_optional_import_says_what_to_install():
                 continue
             for library in {lib for t in targets for lib in needed(t)}:
                 if not any(g.startswith(("needs(", "_needs(")) and repr(library) in g for g in guards):
-                    problems.append(f"{file.relative_to(ROOT)}:{node.lineno} imports {library} outside `with needs(..., {library!r})`")
+                    where = f"{file.relative_to(ROOT)}:{node.lineno}"
+                    problems.append(f"{where} imports {library} outside `with needs(..., {library!r})`")
     assert not problems, "\n".join(problems)
 
 
