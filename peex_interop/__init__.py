@@ -61,6 +61,8 @@ __version__ = "0.1.0"
 
 # The adapters import their library, which the core does not need: they load on first
 # use of one of their names, so `import peex_interop` imports neither Haiku nor Flax.
+# Type checkers read the names from the imports below; the module `__getattr__` is
+# hidden from them, so that a misspelt `px.name` stays an error for them too.
 if TYPE_CHECKING:
     from ._adapters._haiku import (
         from_haiku as from_haiku,
@@ -69,6 +71,17 @@ if TYPE_CHECKING:
         HaikuModule as HaikuModule,
     )
     from ._adapters._nnx import from_nnx as from_nnx, NnxModule as NnxModule, to_nnx as to_nnx
+else:
+
+    def __getattr__(name: str) -> _Any:
+        if name not in _LAZY:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module, library = _LAZY[name]
+        with _needs(f"px.{name}", library):
+            value = getattr(_importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+
 
 # Public name -> (the adapter module that defines it, the optional library it imports).
 _LAZY: dict[str, tuple[str, str]] = {
@@ -77,16 +90,6 @@ _LAZY: dict[str, tuple[str, str]] = {
     ),
     **dict.fromkeys(("from_nnx", "to_nnx", "NnxModule"), ("._adapters._nnx", "flax")),
 }
-
-
-def __getattr__(name: str) -> _Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, library = _LAZY[name]
-    with _needs(f"px.{name}", library):
-        value = getattr(_importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
 
 
 def __dir__() -> list[str]:
