@@ -59,12 +59,21 @@ class _Scope:
     logs: dict = dataclasses.field(default_factory=dict)
     # Body inputs are new tracers: map them to the model leaves they stand for, so layers
     # rebuilt from them (e.g. `eqx.combine` in a scan over a layer stack) are recognised.
+    # id(inner leaf) -> (paths of the model leaf, inner leaf, outer leaf)
     leaves: dict = dataclasses.field(default_factory=dict)
     modules: dict = dataclasses.field(default_factory=dict)
 
 
 def _trace_state() -> Any:
     return jex_core.get_opaque_trace_state()
+
+
+THREADED = (
+    "Threaded transforms: jax.vmap, eqx.filter_vmap, jax.lax.scan, jax.lax.map, "
+    "jax.lax.fori_loop with static bounds, jax.lax.cond, jax.lax.switch, jax.jit and "
+    "eqx.filter_jit (also created inside the model), jax.checkpoint/remat, "
+    "eqx.filter_checkpoint, jax.shard_map."
+)
 
 
 def _transform_name() -> str:
@@ -82,7 +91,13 @@ def _transform_name() -> str:
 
 
 class HookContext:
-    """One hooked call of one wrapper: its path index, call stack, counts and scopes."""
+    """One hooked call of one wrapper: its path index, call stack, counts and scopes.
+
+    `root` is the model the wrapper calls: the wrapped model itself, or, when one layer
+    object is stored at several paths, a copy in which each path holds its own object
+    (what `jax.jit` does to every model), so that a layer is named by the field it is
+    called through, identically eager, under `jit` and in `BackwardHook.init`.
+    """
 
     def __init__(
         self, root: Any, policy: Policy, probes: dict | None, discovering: bool
@@ -92,33 +107,44 @@ class HookContext:
         self.selection = policy.selection
         self.renames = self.selection.rename
         self.discovering = discovering
+        self.root = root
+        if not self._index(root):
+            self.root = jtu.tree_unflatten(*reversed(jtu.tree_flatten(root)))
+            self._index(self.root)
+        self.frames: list[tuple[Any, tuple[str, ...], str]] = []
+        self.counts: dict[str, int] = {}
+        self.claims: dict[str, str] = {}
+        self.scopes = [_Scope({} if probes is None else probes, _trace_state())]
+
+    def _index(self, root: Any) -> bool:
+        """Index modules by identity and array leaves by identity (every path of a
+        leaf: tied weights sit at several). False if a module object sits at two
+        paths."""
         self.modules: dict[int, tuple[tuple[str, ...], Any]] = {}
-        self.leaves: dict[int, tuple[tuple[str, ...], Any]] = {}
+        self.leaves: dict[int, tuple[list[tuple[str, ...]], Any]] = {}
+        self.nodes: dict[tuple[str, ...], Any] = {}
         for path, node in walk(root):
             # Only arrays identify layers: ints, functions etc. are shared objects.
             if isinstance(node, eqx.Module):
-                table = self.modules
+                if id(node) in self.modules:
+                    return False
+                self.modules[id(node)] = (path, node)
+                self.nodes[path] = node
             elif eqx.is_array(node):
-                table = self.leaves
-            else:
-                continue
-            # An object stored twice is named by its first path.
-            table.setdefault(id(node), (path, node))
-        self.frames: list[tuple[Any, tuple[str, ...]]] = []
-        self.counts: dict[str, int] = {}
-        self.scopes = [_Scope({} if probes is None else probes, _trace_state())]
+                self.leaves.setdefault(id(node), ([], node))[0].append(path)
+        return True
 
     @property
     def module_types(self) -> set[type]:
         return {type(node) for _, node in self.modules.values()}
 
     # -- paths ---------------------------------------------------------------------
-    def _leaf_path(self, leaf: Any) -> tuple[str, ...] | None:
+    def _leaf_paths(self, leaf: Any) -> list[tuple[str, ...]]:
         for table in (self.leaves, *(s.leaves for s in reversed(self.scopes))):
             entry = table.get(id(leaf))
             if entry is not None:
                 return entry[0]
-        return None
+        return []
 
     def resolve(self, owner: Any, local: tuple[str, ...]) -> tuple[str, ...] | None:
         """The owner's path, or None if it is not part of this context's model, or if
@@ -132,43 +158,61 @@ class HookContext:
         return self._resolve_rebuilt(owner)
 
     def _resolve_rebuilt(self, owner: Any) -> tuple[str, ...] | None:
-        # A module rebuilt inside a body holds the body's input tracers: its path is the
-        # path of the model leaf behind its first known leaf, minus that leaf's own
-        # path inside the module.
+        # A module rebuilt inside a body (or by `eqx.tree_at`, `eqx.nn.Shared`) holds
+        # body input tracers or model arrays: each leaf votes for the model path of a
+        # module of the owner's type that holds it at the same relative path. Tied
+        # weights vote for several paths; the other leaves decide.
+        votes: dict[tuple[str, ...], int] = {}
         for relative, leaf in walk(owner):
             if isinstance(leaf, eqx.Module) or not relative:
                 continue
-            found = self._leaf_path(leaf)
-            if found is None or found[-len(relative) :] != relative:
-                continue
-            path = found[: -len(relative)]
-            table = self.scopes[-1].modules
-            for sub_path, node in walk(owner, path):
-                if isinstance(node, eqx.Module):
-                    table.setdefault(id(node), (sub_path, node))
-            return path
-        return None
+            for found in self._leaf_paths(leaf):
+                path = found[: -len(relative)]
+                if found[-len(relative) :] == relative and type(self.nodes.get(path)) is type(owner):
+                    votes[path] = votes.get(path, 0) + 1
+        if not votes:
+            return None
+        most = max(votes.values())
+        paths = sorted(path for path, count in votes.items() if count == most)
+        if len(paths) > 1:
+            raise HookError(
+                f"cannot tell which layer a {type(owner).__name__} rebuilt during the call "
+                f"is: its arrays belong equally to {[join(*p) for p in paths]}"
+            )
+        path = paths[0]
+        table = self.scopes[-1].modules
+        for sub_path, node in walk(owner, path):
+            if isinstance(node, eqx.Module):
+                table.setdefault(id(node), (sub_path, node))
+        return path
 
     # -- running a call site ----------------------------------------------------------
     def run(self, call, owner, local, path, module, *args, **kwargs):
-        self.frames.append((owner, local))
+        self.frames.append((owner, local, path))
         try:
             kind = layer_kind(owner, module)
             if not self.selection.selects(path, module, kind):
                 return call(*args, **kwargs)
+            name = self.renames.get(path, path)
+            claimed = self.claims.setdefault(name, path)
+            if claimed != path:
+                raise HookError(
+                    f"rename= gives layers {claimed!r} and {path!r} the same log key "
+                    f"{name!r}: their logs would overwrite (or their cotangents add up)"
+                )
             count = self.counts.get(path, 0)
             self.counts[path] = count + 1
-            name = self.renames.get(path, path)
             key = name if count == 0 else f"{name}@{count}"
             return self.policy.run_site(self, Site(path, key, owner, module, kind, call, args, kwargs))
         finally:
             self.frames.pop()
 
     def apply(self, site: Site, role: str, fn: Any, value: Any) -> Any:
-        """Run a user hook or log, attaching the layer path to anything it raises."""
+        """Run a user hook or log, attaching the layer path to anything it raises
+        (KeyboardInterrupt included)."""
         try:
             return fn(value)
-        except Exception as error:
+        except BaseException as error:
             error.add_note(f"peex_interop: raised by {role} at layer {site.path!r}")
             raise
 
@@ -177,26 +221,27 @@ class HookContext:
         check_same_shape(site.path, role, value, out)
         return out
 
-    def _check_trace(self, site: Site, doing: str) -> None:
+    def _admit(self, keys: Any, doing: str) -> None:
+        """The closed-world rule: a value enters a scope only from that scope's own
+        trace. Anything else would leak a tracer (or, for a backward slot, sum
+        cotangents over steps), so it is refused, naming the layers."""
         if _trace_state() != self.scopes[-1].trace_state:
             raise TransformError(
-                f"cannot {doing} of layer {site.path!r}: it runs under "
+                f"cannot {doing} of layer(s) {sorted(keys)}: they run under "
                 f"{_transform_name()}, which peex_interop cannot thread the value out "
-                "of (it would leak a tracer). Threaded transforms: jax.vmap, "
-                "eqx.filter_vmap, jax.lax.scan, jax.lax.cond, jax.checkpoint, "
-                "jax.remat, eqx.filter_checkpoint. Move that transform outside the "
-                "hooked model, or exclude the layer with where=."
+                f"of (it would leak a tracer). {THREADED} Move that transform outside "
+                "the hooked model, or exclude the layer with where=."
             )
 
     def record(self, site: Site, key: str, value: Any) -> None:
         if value is None:
             return
-        self._check_trace(site, "record the log")
+        self._admit([site.path], "record the log")
         self.scopes[-1].logs[key] = value
 
     def probe(self, site: Site, template: Any) -> Any:
         """The cotangent slot for this site (a `BackwardHook.log` entry)."""
-        self._check_trace(site, "attach the backward log")
+        self._admit([site.path], "attach the backward log")
         probes = self.scopes[-1].probes
         if site.key not in probes:
             raise HookError(
@@ -210,14 +255,38 @@ class HookContext:
 
     # -- transformed bodies -------------------------------------------------------------
     def enter_body(self, outer: Any, inner: Any, probes: dict) -> None:
+        """Open the scope of a body whose inputs `inner` stand for `outer`: a known
+        module passed in names its inner counterpart (and everything under it) by
+        position, so one layer object at two paths stays two layers; other array
+        inputs are named by the model paths of the arrays they stand for."""
         scope = _Scope(probes, _trace_state())
-        outer_leaves, inner_leaves = jtu.tree_leaves(outer), jtu.tree_leaves(inner)
-        if len(outer_leaves) == len(inner_leaves):
-            for outer_leaf, inner_leaf in zip(outer_leaves, inner_leaves):
-                found = self._leaf_path(outer_leaf)
-                if found is not None:
-                    scope.leaves[id(inner_leaf)] = (found, inner_leaf, outer_leaf)
+        outer_nodes, inner_nodes = _positions(outer), _positions(inner)
+        if len(outer_nodes) == len(inner_nodes):
+            base: tuple[str, ...] = ()
+            known: tuple[str, ...] | None = None
+            for (position, outer_node), (_, inner_node) in zip(outer_nodes, inner_nodes):
+                if known is not None and position[: len(base)] != base:
+                    known = None  # left the known module
+                if known is None and isinstance(outer_node, eqx.Module):
+                    known, base = self._known_path(outer_node), position
+                if known is not None:
+                    path = known + position[len(base) :]
+                    if isinstance(outer_node, eqx.Module):
+                        scope.modules[id(inner_node)] = (path, inner_node)
+                    elif eqx.is_array(outer_node):
+                        scope.leaves[id(inner_node)] = ([path], inner_node, outer_node)
+                elif eqx.is_array(outer_node):
+                    paths = self._leaf_paths(outer_node)
+                    if paths:
+                        scope.leaves[id(inner_node)] = (paths, inner_node, outer_node)
         self.scopes.append(scope)
+
+    def _known_path(self, module: Any) -> tuple[str, ...] | None:
+        for table in (self.modules, *(s.modules for s in reversed(self.scopes))):
+            entry = table.get(id(module))
+            if entry is not None:
+                return entry[0]
+        return None
 
     def origin(self, leaf: Any) -> Any:
         """The model leaf that a body input stands for (through nested bodies)."""
@@ -230,8 +299,12 @@ class HookContext:
     def exit_body(self) -> dict:
         return self.scopes.pop().logs
 
-    def merge(self, logs: dict) -> None:
-        """Bring logs returned by a body into the current scope."""
+    def merge(self, logs: dict, used_probes: dict) -> None:
+        """Bring what a body returned into the current scope: only if the body's
+        transform ran in this scope's trace (a threaded transform nested in one that
+        is not would otherwise leak its logs' tracers)."""
+        if logs or used_probes:
+            self._admit({key.split("@")[0] for key in (*logs, *used_probes)}, "bring out the logs")
         self.scopes[-1].logs.update(logs)
 
     @property
@@ -241,6 +314,16 @@ class HookContext:
     @property
     def needs_probes(self) -> bool:
         return not self.discovering and getattr(self.policy, "uses_probes", False)
+
+
+def _positions(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """Every module (pre-order) and leaf of `tree`, with its key path: two trees of one
+    structure give the same positions."""
+    nodes = []
+    for key_path, top in jtu.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, eqx.Module))[0]:
+        prefix = tuple(str(k) for k in key_path)
+        nodes.extend((prefix + relative, node) for relative, node in walk(top))
+    return nodes
 
 
 def _spec(x: Any) -> Any:
@@ -341,4 +424,28 @@ def call_site(
             continue
         path = join(*prefix, *local)
         run = functools.partial(context.run, run, owner, local, path, module)
+    if run is call:
+        _refuse_if_passed_through(owner, contexts[-1])
     return run(*args, **kwargs)
+
+
+def _refuse_if_passed_through(owner: Any, context: HookContext) -> None:
+    """A module that no context can name is either not part of the model (built
+    during the call: not a layer) or a layer that an unthreaded transform received as
+    an argument, e.g. a `jax.jit` function created before hooking began, or a
+    `while_loop` carry: its arrays are that transform's tracers. The second must not
+    run unhooked."""
+    if context.frames and context.frames[-1][0] is owner:
+        return  # the owner re-entering its own call
+    if _trace_state() == context.scopes[-1].trace_state:
+        return
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(owner)):
+        return
+    where = f" (called from layer {context.frames[-1][2]!r})" if context.frames else ""
+    raise TransformError(
+        f"a {type(owner).__name__}{where} runs under {_transform_name()}, which received "
+        "it as an argument: peex_interop cannot name it or thread its logs out, so "
+        f"it would run unhooked. {THREADED} A jax.jit function created before hooking "
+        "began (at import or class definition) is not: create it inside the model's "
+        "call, use eqx.filter_jit, or move it outside the hooked model."
+    )

@@ -5,27 +5,35 @@ from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _patching
-from ._context import HookContext, Policy, entered
 from .._adapters._equinox import class_patches
+from ._context import HookContext, Policy, entered
 from ._transforms import transform_patches
+
+# JAX's jit caches are keyed on this context: while hooking, a `jax.jit` function
+# created before hooking began (which the engine cannot patch) misses the cache and
+# retraces in Python, so its layer calls reach the call sites, and are hooked or
+# refused, instead of replaying a trace made without hooks.
+_hooking_jit_key = jax.make_user_context(False)
 
 
 @contextlib.contextmanager
 def hooking(
     root: Any, policy: Policy, *, probes: dict | None = None, discovering: bool = False
 ) -> Iterator[HookContext]:
-    """Activate `policy` on the layers of `root` in this thread for the block.
+    """Activate `policy` on the layers of `root` in this thread for the block; call
+    `context.root` (the model, with each layer object at one path only).
 
     Class and transform patches are installed (or shared with overlapping calls) and
     undone on every exit path; the context is visible to this thread only.
     """
     context = HookContext(root, policy, probes, discovering)
     patches = class_patches(context.module_types) + transform_patches()
-    with _patching.patched(patches), entered(context):
+    with _patching.patched(patches), entered(context), _hooking_jit_key(True):
         yield context
 
 

@@ -10,6 +10,11 @@ from ._errors import HookError
 from ._kinds import KINDS
 
 
+_WHERE_TAKES = (
+    "glob patterns (str), module types, predicates (path, module) -> bool, px.kind/"
+    "px.not_/px.all_of criteria, or a sequence of those"
+)
+
 Predicate = Callable[[str, Any], bool]
 Criterion = Union[str, type, Predicate]
 
@@ -95,12 +100,15 @@ def _is_kind(module: Any, kind: type) -> bool:
     return isinstance(module, kind) or (isinstance(module, type) and issubclass(module, kind))
 
 
-def _as_tuple(value: Any) -> tuple | None:
+def _as_tuple(value: Any, expected: str) -> tuple | None:
     if value is None:
         return None
     if isinstance(value, (str, type, Kind, Not, AllOf)) or callable(value):
         return (value,)
-    return tuple(value)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise HookError(f"{expected}; got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +125,19 @@ class Selection:
     def make(
         cls, layer_names: Sequence[str] | None, where: Any, rename: dict[str, str] | None = None
     ) -> "Selection":
-        return cls(_as_tuple(layer_names), _as_tuple(where), tuple(sorted((rename or {}).items())))
+        renames = tuple(sorted((rename or {}).items()))
+        targets = [target for _, target in renames]
+        doubled = sorted({target for target in targets if targets.count(target) > 1})
+        if doubled:
+            raise HookError(
+                f"rename= maps several layers to the same log key(s) {doubled}: their "
+                "logs would overwrite each other (or their cotangents add up)"
+            )
+        return cls(
+            _as_tuple(layer_names, "layer_names takes a sequence of dotted layer paths"),
+            _as_tuple(where, f"where= takes {_WHERE_TAKES}"),
+            renames,
+        )
 
     @property
     def rename(self) -> dict[str, str]:
@@ -136,6 +156,9 @@ class Selection:
         """Every name and pattern must match some layer: a typo must not silently log
         nothing. Predicates cannot be checked ahead of the call."""
         paths = [path for path in modules if path]
+        for source, _ in self.renames:
+            if source not in modules or not source:
+                raise HookError(_no_match("rename= path", source, paths, model_name))
         for name in self.names or ():
             if name not in modules or not name:
                 raise HookError(_no_match("layer name", name, paths, model_name))
@@ -154,10 +177,7 @@ class Selection:
                         f"{model_name}; its layers are of types: {', '.join(kinds)}"
                     )
             elif not (callable(criterion) or isinstance(criterion, (Kind, Not, AllOf))):
-                raise HookError(
-                    "where= takes glob patterns (str), module types, predicates "
-                    f"(path, module) -> bool, or a sequence of those; got {criterion!r}"
-                )
+                raise HookError(f"where= takes {_WHERE_TAKES}; got {criterion!r}")
 
 
 def _no_match(what: str, name: str, paths: list[str], model_name: str) -> str:

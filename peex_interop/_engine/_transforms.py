@@ -3,18 +3,26 @@
 A value recorded into Python from inside a `jax.vmap`/`jax.lax.scan`/... body would leak
 a tracer. While a hooking context is active in this thread, the public entry points
 below are replaced by versions that run the body in a fresh scope and return the scope's
-logs as extra outputs of the body: stacked along the mapped/scanned axis for vmap and
-scan, as plain outputs for cond and checkpoint. Backward-log slots of layers inside a
-vmap/scan body are passed in as mapped inputs, so cotangents are per example/step rather
-than summed. Everything else is left to `HookContext._check_trace`, which refuses loudly.
+logs as extra outputs of the body: stacked along the mapped/scanned axis for vmap, scan,
+`lax.map` and static `fori_loop`, one block per device for `shard_map`, as plain outputs
+for cond, switch, checkpoint and jit. Backward-log slots of layers inside a mapped body
+are passed in as mapped inputs, so cotangents are per example/step rather than summed.
+
+Arguments are bound against the real entry point's signature, so keyword and positional
+calling conventions behave exactly as JAX's own. Everything else (`while_loop`, dynamic
+`fori_loop`, a `jax.jit` created before hooking began, ...) is refused by
+`HookContext._admit`, which is the one place where values enter a scope.
 """
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
+from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 
 from . import _context, _patching
 from ._errors import HookError
@@ -52,8 +60,10 @@ class _Body:
         return [{} for _ in self.contexts]
 
     def enclosing_probes(self) -> list:
-        # Passed into cond/checkpoint bodies as inputs: a body closing over them
+        # Passed into cond/checkpoint/jit bodies as inputs: a body closing over them
         # would leave them in JAX's trace caches after the call.
+        if not any(context.needs_probes for context in self.contexts):
+            return self.no_probes()
         return [context.scopes[-1].probes for context in self.contexts]
 
     def probes(self, run: Callable[[list], Any], logs_of: Callable[[Any], list]) -> list:
@@ -85,14 +95,24 @@ class _Body:
             probes.append({key: slots[key] for key in keys})
         return probes
 
-    def finish(self, logs: list, end: list | None = None) -> None:
-        for context, counts, log in zip(self.contexts, end or self.end, logs):
+    def finish(self, logs: list, probes: list, end: list | None = None) -> None:
+        for context, counts, log, used in zip(self.contexts, end or self.end, logs, probes):
             context.counts = counts
-            context.merge(log)
+            context.merge(log, used)
 
     def release(self) -> None:
         self.fn = self.outer = None
         self.contexts = []
+
+
+@functools.cache
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(_patching.unwrap(fn))
+
+
+def _bind(real: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of `real`, by parameter name, as JAX binds them."""
+    return dict(_signature(real).bind(*args, **kwargs).arguments)
 
 
 def _with_leading_axis(in_axes: Any, num_args: int) -> Any:
@@ -102,10 +122,15 @@ def _with_leading_axis(in_axes: Any, num_args: int) -> Any:
 
 
 def threaded_vmap(real_vmap: Callable) -> Callable:
-    def vmap(fun, in_axes=0, out_axes=0, *rest, **options):
+    def vmap(*vmap_args, **vmap_kwargs):
+        options = _bind(real_vmap, vmap_args, vmap_kwargs)
+        fun = options.pop("fun")
+        in_axes = options.pop("in_axes", 0)
+        out_axes = options.pop("out_axes", 0)
+
         def mapped(*args, **kwargs):
             if not _context.active():
-                return real_vmap(fun, in_axes, out_axes, *rest, **options)(*args, **kwargs)
+                return real_vmap(fun, in_axes, out_axes, **options)(*args, **kwargs)
             body = _Body(fun, (args, kwargs))
 
             def run(probes):
@@ -113,13 +138,14 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
                     return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
 
                 axes = _with_leading_axis(in_axes, len(args))
-                return real_vmap(mapped_body, axes, (out_axes, 0), *rest, **options)(
+                return real_vmap(mapped_body, axes, (out_axes, 0), **options)(
                     probes, *args, **kwargs
                 )
 
             try:
-                out, logs = run(body.probes(run, lambda shapes: shapes[1]))
-                body.finish(logs)
+                probes = body.probes(run, lambda shapes: shapes[1])
+                out, logs = run(probes)
+                body.finish(logs, probes)
             finally:
                 body.release()
             return out
@@ -130,9 +156,11 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
 
 
 def threaded_scan(real_scan: Callable) -> Callable:
-    def scan(f, init, xs=None, *rest, **options):
+    def scan(*scan_args, **scan_kwargs):
         if not _context.active():
-            return real_scan(f, init, xs, *rest, **options)
+            return real_scan(*scan_args, **scan_kwargs)
+        options = _bind(real_scan, scan_args, scan_kwargs)
+        f, init, xs = options.pop("f"), options.pop("init"), options.pop("xs", None)
         body = _Body(f, (init, xs))
 
         def run(probes):
@@ -141,11 +169,12 @@ def threaded_scan(real_scan: Callable) -> Callable:
                 (carry, y), logs = body(step_probes, (carry, x), (carry, x), {})
                 return carry, (y, logs)
 
-            return real_scan(scan_body, init, (xs, probes), *rest, **options)
+            return real_scan(scan_body, init, (xs, probes), **options)
 
         try:
-            carry, (ys, logs) = run(body.probes(run, lambda shapes: shapes[1][1]))
-            body.finish(logs)
+            probes = body.probes(run, lambda shapes: shapes[1][1])
+            carry, (ys, logs) = run(probes)
+            body.finish(logs, probes)
         finally:
             body.release()
         return carry, ys
@@ -153,75 +182,160 @@ def threaded_scan(real_scan: Callable) -> Callable:
     return scan
 
 
+def threaded_map(real_map: Callable) -> Callable:
+    def map(*map_args, **map_kwargs):
+        options = _bind(real_map, map_args, map_kwargs)
+        if not _context.active() or options.get("batch_size") is not None:
+            # With batch_size, JAX's own scan-of-vmap runs: logs inside are refused.
+            return real_map(*map_args, **map_kwargs)
+        f = options["f"]
+        # JAX's own definition of map without batch_size; logs stack per element.
+        _, ys = jax.lax.scan(lambda carry, x: (carry, f(x)), (), options["xs"])
+        return ys
+
+    return map
+
+
+def threaded_fori_loop(real_fori_loop: Callable) -> Callable:
+    def fori_loop(*loop_args, **loop_kwargs):
+        options = _bind(real_fori_loop, loop_args, loop_kwargs)
+        lower, upper = options["lower"], options["upper"]
+        if not _context.active() or any(isinstance(b, jax.core.Tracer) for b in (lower, upper)):
+            # Dynamic bounds make a while_loop, whose logs cannot leave: refused.
+            return real_fori_loop(*loop_args, **loop_kwargs)
+        body_fun, unroll = options["body_fun"], options.get("unroll")
+
+        # JAX's own lowering of a static-bound fori_loop; logs stack per step.
+        def scanned(carry, _):
+            i, x = carry
+            return (i + 1, body_fun(i, x)), None
+
+        (_, result), _ = jax.lax.scan(
+            scanned, (int(lower), options["init_val"]), None,
+            length=max(int(upper) - int(lower), 0),
+            unroll=False if unroll is None else unroll,
+        )
+        return result
+
+    return fori_loop
+
+
 def _zeros(shapes: Any) -> Any:
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jtu.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
+
+
+def _branches(fns: list, operands: tuple, select: Callable) -> Any:
+    """cond/switch: each branch is a body; the branches' logs are padded to one
+    structure (a layer that only some branches call logs zeros in the others)."""
+    bodies = [_Body(fn, operands) for fn in fns]
+
+    def branch(body: _Body, union: list | None) -> Callable:
+        def run(probes, *inner):
+            out, logs = body(probes, inner, inner, {})
+            if union is not None:
+                logs = [
+                    {key: log.get(key, zeros) for key, zeros in _zeros(u).items()}
+                    for log, u in zip(logs, union)
+                ]
+            return out, logs
+
+        return run
+
+    probes = bodies[0].enclosing_probes()
+    try:
+        shapes = [jax.eval_shape(branch(body, None), probes, *operands)[1] for body in bodies]
+        union = [
+            {key: value for branch_logs in per_context for key, value in branch_logs.items()}
+            for per_context in zip(*shapes)
+        ]
+        out, logs = select([branch(body, union) for body in bodies], probes, *operands)
+        end = [
+            {path: max(counts.get(path, 0) for counts in per_context) for path in set().union(*per_context)}
+            for per_context in zip(*(body.end for body in bodies))
+        ]
+        bodies[0].finish(logs, probes, end)
+    finally:
+        for body in bodies:
+            body.release()
+    return out
+
+
+def _operands(options: dict) -> tuple:
+    operands = options.get("operands", ())
+    if "operand" in options:
+        operands = (*operands, options["operand"])
+    return operands
 
 
 def threaded_cond(real_cond: Callable) -> Callable:
-    def cond(pred, true_fun, false_fun, *operands, **options):
+    def cond(*cond_args, **cond_kwargs):
+        options = _bind(real_cond, cond_args, cond_kwargs)
+        true_fun, false_fun = options.get("true_fun"), options.get("false_fun")
         if not _context.active() or not (callable(true_fun) and callable(false_fun)):
-            return real_cond(pred, true_fun, false_fun, *operands, **options)
-        bodies = [_Body(fn, operands) for fn in (true_fun, false_fun)]
-
-        def branch(body: _Body, union: list | None) -> Callable:
-            def run(probes, *inner):
-                out, logs = body(probes, inner, inner, {})
-                if union is not None:
-                    # Both branches must return the same structure: a layer that only
-                    # one branch calls logs zeros when the other branch is taken.
-                    logs = [
-                        {key: log.get(key, zeros) for key, zeros in _zeros(u).items()}
-                        for log, u in zip(logs, union)
-                    ]
-                return out, logs
-
-            return run
-
-        probes = bodies[0].enclosing_probes()
-        try:
-            true_logs, false_logs = (
-                jax.eval_shape(branch(body, None), probes, *operands)[1] for body in bodies
-            )
-            union = [{**a, **b} for a, b in zip(true_logs, false_logs)]
-            out, logs = real_cond(
-                pred, *(branch(body, union) for body in bodies), probes, *operands, **options
-            )
-            end = [
-                {path: max(a.get(path, 0), b.get(path, 0)) for path in {*a, *b}}
-                for a, b in zip(bodies[0].end, bodies[1].end)
-            ]
-            bodies[0].finish(logs, end)
-        finally:
-            for body in bodies:
-                body.release()
-        return out
+            return real_cond(*cond_args, **cond_kwargs)
+        pred = options["pred"]
+        return _branches(
+            [true_fun, false_fun], _operands(options),
+            lambda branches, *operands: real_cond(pred, *branches, *operands),
+        )
 
     return cond
 
 
-def _shift_static(options: dict) -> dict:
-    """The probes argument goes first: static argument numbers move by one."""
-    numbers = options.get("static_argnums", ())
+def threaded_switch(real_switch: Callable) -> Callable:
+    def switch(*switch_args, **switch_kwargs):
+        if not _context.active():
+            return real_switch(*switch_args, **switch_kwargs)
+        options = _bind(real_switch, switch_args, switch_kwargs)
+        index = options["index"]
+        return _branches(
+            list(options["branches"]), _operands(options),
+            lambda branches, *operands: real_switch(index, branches, *operands),
+        )
+
+    return switch
+
+
+def _shift(numbers: Any) -> Any:
+    """The probes argument goes first: non-negative argument numbers move by one
+    (negative ones count from the end and stay)."""
+    if numbers is None:
+        return None
     if isinstance(numbers, int):
         numbers = (numbers,)
-    return {**options, "static_argnums": tuple(n + 1 for n in numbers)}
+    return tuple(n + 1 if n >= 0 else n for n in numbers)
+
+
+def _probes_first(fun: Callable, body: Callable) -> Callable:
+    # jit and checkpoint map static_argnames to positions through the signature.
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return body
+    probes = inspect.Parameter("__peex_interop_probes", inspect.Parameter.POSITIONAL_ONLY)
+    body.__signature__ = signature.replace(parameters=[probes, *signature.parameters.values()])
+    return body
 
 
 def threaded_checkpoint(real_checkpoint: Callable) -> Callable:
-    def checkpoint(fun, *rest, **options):
+    def checkpoint(*checkpoint_args, **checkpoint_kwargs):
+        options = _bind(real_checkpoint, checkpoint_args, checkpoint_kwargs)
+        fun = options.pop("fun")
+        shifted = {**options, "static_argnums": _shift(options.get("static_argnums", ()))}
+
         def checkpointed(*args, **kwargs):
             if not _context.active():
-                return real_checkpoint(fun, *rest, **options)(*args, **kwargs)
+                return real_checkpoint(fun, **options)(*args, **kwargs)
             body = _Body(fun, (args, kwargs))
 
             def checkpointed_body(probes, *inner_args, **inner_kwargs):
                 return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
 
             try:
-                out, logs = real_checkpoint(checkpointed_body, *rest, **_shift_static(options))(
-                    body.enclosing_probes(), *args, **kwargs
-                )
-                body.finish(logs)
+                probes = body.enclosing_probes()
+                run = real_checkpoint(_probes_first(fun, checkpointed_body), **shifted)
+                out, logs = run(probes, *args, **kwargs)
+                body.finish(logs, probes)
             finally:
                 body.release()
             return out
@@ -231,15 +345,155 @@ def threaded_checkpoint(real_checkpoint: Callable) -> Callable:
     return checkpoint
 
 
+def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwargs: dict, *, filtered: bool) -> Any:
+    """Run `fun(*args, **kwargs)` under a fresh `real_jit` whose outputs carry the logs.
+
+    `filtered` follows `eqx.filter_jit`: arrays are traced, everything else is static.
+    Outputs are split the same way, so a body may return non-arrays. Shardings and
+    donation are left out (they place values, never change them)."""
+    body = _Body(fun, (args, kwargs))
+    static_out = []
+
+    def jitted_body(probes, *inner_args, **inner_kwargs):
+        if filtered:
+            (inner_args, inner_kwargs) = eqx.combine(inner_args[0], static_in)
+        out_and_logs = body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
+        dynamic, static = eqx.partition(out_and_logs, eqx.is_array)
+        static_out.append(static)
+        return dynamic
+
+    if filtered:
+        dynamic_in, static_in = eqx.partition((args, kwargs), eqx.is_array)
+        jitted = real_jit(jitted_body)
+        call_args, call_kwargs = (dynamic_in,), {}
+    else:
+        kept = {
+            name: value for name, value in options.items()
+            if name in ("static_argnames", "keep_unused", "inline", "compiler_options", "backend", "device")
+        }
+        jitted = real_jit(
+            _probes_first(fun, jitted_body), static_argnums=_shift(options.get("static_argnums")), **kept
+        )
+        call_args, call_kwargs = args, kwargs
+    try:
+        probes = body.enclosing_probes()
+        dynamic = jitted(probes, *call_args, **call_kwargs)
+        out, logs = eqx.combine(dynamic, static_out[-1])
+        body.finish(logs, probes)
+    finally:
+        body.release()
+    return out
+
+
+class _ThreadedJit:
+    """What the patched `jax.jit` returns: a jitted function that threads logs out when
+    called with hooking active in the calling thread, and is the real one otherwise
+    (its attributes, e.g. `.lower`, are the real one's)."""
+
+    def __init__(self, real_jit: Callable, fun: Callable, options: dict):
+        self._real_jit, self._fun, self._options = real_jit, fun, options
+        self.__wrapped__ = fun
+
+    @functools.cached_property
+    def _jitted(self) -> Callable:
+        return self._real_jit(self._fun, **self._options)
+
+    def __call__(self, *args, **kwargs):
+        if not _context.active():
+            return self._jitted(*args, **kwargs)
+        return _jit_call(self._real_jit, self._fun, self._options, args, kwargs, filtered=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
+
+
+def threaded_jit(real_jit: Callable) -> Callable:
+    def jit(*jit_args, **jit_kwargs):
+        options = _bind(real_jit, jit_args, jit_kwargs)
+        fun = options.pop("fun", None)
+        if fun is None or not callable(fun):
+            return functools.partial(jit, **options)  # used as `@jax.jit(static_argnums=...)`
+        return _ThreadedJit(real_jit, fun, options)
+
+    return jit
+
+
+def threaded_filter_jit_call(original_call: Callable) -> Callable:
+    """`eqx.filter_jit` wrappers are usually created before hooking begins (decorated
+    methods): their call is patched instead of `eqx.filter_jit` itself."""
+    real_jit = _patching.unwrap(jax.jit)
+
+    def __call__(self, /, *args, **kwargs):
+        if not _context.active():
+            return original_call(self, *args, **kwargs)
+        return _jit_call(real_jit, self.__wrapped__, {}, args, kwargs, filtered=True)
+
+    return __call__
+
+
+def threaded_shard_map(real_shard_map: Callable) -> Callable:
+    """Logs leave a `shard_map` body one block per device: a leading axis over the
+    body's manual mesh axes (`(num_devices, *local_shape)`); backward slots come in
+    the same way, so cotangents are per device."""
+
+    def shard_map(*shard_args, **shard_kwargs):
+        options = _bind(real_shard_map, shard_args, shard_kwargs)
+        f = options.pop("f", None)
+        if f is None:
+            return functools.partial(shard_map, **options)  # used as a decorator factory
+
+        def sharded(*args):
+            if not _context.active():
+                return real_shard_map(f, **options)(*args)
+            mesh = options.get("mesh") or jax.sharding.get_abstract_mesh()
+            per_device = jax.sharding.PartitionSpec(tuple(options.get("axis_names") or mesh.axis_names))
+            in_specs = options.get("in_specs", _signature(real_shard_map).parameters["in_specs"].default)
+            if not isinstance(in_specs, tuple):
+                in_specs = (in_specs,) * len(args)
+            body = _Body(f, args)
+
+            def run(probes):
+                def sharded_body(probes, *inner):
+                    local = jtu.tree_map(lambda slot: slot[0], probes)
+                    out, logs = body(local, inner, inner, {})
+                    return out, jtu.tree_map(lambda log: log[None], logs)
+
+                if isinstance(mesh, jax.sharding.Mesh):
+                    # Eager inputs must already be laid out as their in_specs say.
+                    probes = jax.device_put(probes, jax.sharding.NamedSharding(mesh, per_device))
+                return real_shard_map(
+                    sharded_body,
+                    **{**options, "in_specs": (per_device, *in_specs), "out_specs": (options["out_specs"], per_device)},
+                )(probes, *args)
+
+            try:
+                probes = body.probes(run, lambda shapes: shapes[1])
+                out, logs = run(probes)
+                body.finish(logs, probes)
+            finally:
+                body.release()
+            return out
+
+        return sharded
+
+    return shard_map
+
+
 def transform_patches() -> list[tuple[Any, str, Callable]]:
     """Patch targets for `_patching.patched`: the public entry points whose bodies the
     engine threads logs out of."""
     return [
         (jax, "vmap", _marked(threaded_vmap)),
         (jax.lax, "scan", _marked(threaded_scan)),
+        (jax.lax, "map", _marked(threaded_map)),
+        (jax.lax, "fori_loop", _marked(threaded_fori_loop)),
         (jax.lax, "cond", _marked(threaded_cond)),
+        (jax.lax, "switch", _marked(threaded_switch)),
         (jax, "checkpoint", _marked(threaded_checkpoint)),
         (jax, "remat", _marked(threaded_checkpoint)),
+        (jax, "jit", _marked(threaded_jit)),
+        (jax, "shard_map", _marked(threaded_shard_map)),
+        (_JitWrapper, "__call__", _marked(threaded_filter_jit_call)),
     ]
 
 

@@ -7,6 +7,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._engine._context import HookContext, Site, check_same_shape
+from .._engine._errors import TransformError
 from .._engine._hooking import hooking, zeros_like_arrays
 from ._hooks import AbstractHook, IdentityHook, as_hook
 from ._logs import AbstractLog, NoneLog, as_log
@@ -91,7 +92,7 @@ class BackwardHook(AbstractHookWrapper):
 
         def templates(hooked, args, kwargs):
             with hooking(hooked.model, hooked, discovering=True) as context:
-                hooked.model(*args, **kwargs)
+                context.root(*args, **kwargs)
             return context.logs
 
         shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
@@ -113,8 +114,8 @@ class BackwardHook(AbstractHookWrapper):
 
         The model's output.
         """
-        with hooking(self.model, self, probes=self.log):
-            return self.model(*args, **kwargs)
+        with hooking(self.model, self, probes=self.log) as context:
+            return context.root(*args, **kwargs)
 
     def run_site(self, context: HookContext, site: Site) -> Any:
         if self.pre_hook:
@@ -128,7 +129,18 @@ class BackwardHook(AbstractHookWrapper):
             context.record(site, site.key, template)
             return value
         slot = None if template is None else context.probe(site, template)
-        return _cotangent_probe((value, slot), self.hook_fn, self.log_fn, site.path)
+        try:
+            return _cotangent_probe((value, slot), self.hook_fn, self.log_fn, site.path)
+        except TypeError as error:
+            if "forward-mode" not in str(error):
+                raise
+            raise TransformError(
+                f"BackwardHook cannot run under forward-mode autodiff (jax.jvp, "
+                f"jax.jacfwd, jax.linearize) at layer {site.path!r}: it edits and logs "
+                "cotangents with a custom VJP, which JAX cannot push tangents through. "
+                "Use reverse mode (jax.grad, jax.vjp, jax.jacrev; jax.hessian works), "
+                "or a ForwardHook for forward-mode transforms."
+            ) from error
 
 
 @eqx.filter_custom_vjp

@@ -94,7 +94,7 @@ class ForwardHook(AbstractHookWrapper):
         `(output, log)`: the model's (possibly hooked) output, and the log dictionary.
         """
         with hooking(self.model, self) as context:
-            output = self.model(*args, **kwargs)
+            output = context.root(*args, **kwargs)
         return output, {**self.log, **context.logs}
 
     def run_site(self, context: HookContext, site: Site) -> Any:
