@@ -1,0 +1,478 @@
+"""The Flax linen adapter: where a linen submodule call becomes a call site.
+
+`from_linen` wraps a linen module definition and its variables as an `eqx.Module`. While
+a hooking context is active in the calling thread, its call runs `module.apply` inside
+`nn.intercept_methods`, and the interceptor hands every selected method call of every
+submodule to `_context.call_site`, named by the submodule's scope path (`Dense_0`,
+`blocks_0.attn`). Linen names a module by its scope, not by object identity, so modules
+that linen's lifted transforms (`nn.scan`, `nn.vmap`, `nn.remat`) clone inside their
+bodies keep their names; the engine threads the bodies' logs out, stacked.
+
+`nn.scan` traces its body once *outside* `jax.lax.scan` to check which variables are
+loop invariants (`flax.core.axes_scan`'s constancy check) and throws that trace away.
+For the duration of a hooked call `axes_scan.scan` is replaced by a version that runs
+that pre-pass with the interceptor passing calls through, so that only the scan proper
+records logs.
+"""
+
+import dataclasses
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.core import axes_scan
+from jaxtyping import PRNGKeyArray, PyTree
+
+from .._engine import _context, _patching
+from .._engine._errors import HookError
+from .._engine._kinds import kind_of
+from .._engine._layouts import axes, Container, Layout, Param, refuse
+from .._engine._paths import AbstractConverted
+
+Path = tuple[str, ...]
+
+LINEN_KINDS: dict[type, str] = {
+    nn.Dense: "linear",
+    nn.DenseGeneral: "linear",
+    nn.Einsum: "linear",
+    nn.Conv: "conv",
+    nn.ConvTranspose: "conv",
+    nn.ConvLocal: "conv",
+    nn.MultiHeadDotProductAttention: "attention",
+    nn.LayerNorm: "norm",
+    nn.RMSNorm: "norm",
+    nn.BatchNorm: "norm",
+    nn.GroupNorm: "norm",
+    nn.InstanceNorm: "norm",
+    nn.Embed: "embedding",
+    nn.Dropout: "dropout",
+    nn.RNNCellBase: "recurrent",
+    nn.RNN: "recurrent",
+    nn.Bidirectional: "recurrent",
+    nn.PReLU: "activation",
+    nn.Sequential: "container",
+}
+
+# Collections that hold values a call produces rather than model state.
+_OUTPUT_COLLECTIONS = ("intermediates",)
+
+
+def _size(tree: Any) -> int:
+    return sum(leaf.size for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact))
+
+
+def _counts(variables: Mapping[str, Any]) -> tuple[int, int]:
+    trainable = _size(variables.get("params", {}))
+    other = sum(
+        _size(tree) for name, tree in variables.items()
+        if name != "params" and name not in _OUTPUT_COLLECTIONS
+    )
+    return trainable, other
+
+
+class _Definition:
+    """The linen module definition as a static field. Hashed by identity: linen modules
+    holding lists (`nn.Sequential`) are unhashable, and a static field must hash."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __hash__(self) -> int:
+        return id(self.module)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Definition) and other.module is self.module
+
+
+def _static_mutable(mutable: Any) -> Any:
+    # Lists are unhashable; linen accepts any collection of names.
+    if isinstance(mutable, (bool, str, nn.DenyList)):
+        return mutable
+    return tuple(mutable)
+
+
+class LinenModule(AbstractConverted):
+    """A Flax linen module with its variables as one `eqx.Module`: the module definition
+    is static, the variables (every collection: `params`, `batch_stats`, `cache`, ...)
+    and the rngs are pytree leaves. Build it with `px.from_linen`.
+
+    Calling it is `module.apply(variables, *args, rngs=rngs, mutable=mutable, **kwargs)`:
+    it returns the output, or `(output, updates)` when `mutable` names collections;
+    carry the updates forward with `.with_variables(updates)`.
+    """
+
+    variables: PyTree
+    rngs: PyTree
+    definition: _Definition = eqx.field(static=True)
+    mutable: Any = eqx.field(static=True)
+    methods: tuple[str, ...] = eqx.field(static=True)
+
+    @property
+    def module(self) -> nn.Module:
+        """The linen module definition (unbound)."""
+        return self.definition.module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Apply the linen module.
+
+        **Arguments:**
+
+        - `*args`, `**kwargs`: the module's own arguments (`train=True`, ...).
+
+        **Returns:**
+
+        What `module.apply` returns: the output, or `(output, updates)` with `mutable`.
+        """
+        def apply() -> Any:
+            return self.module.apply(
+                self.variables, *args, rngs=self.rngs, mutable=self.mutable, **kwargs
+            )
+
+        if not _context.active():
+            return apply()
+        state = _Interception(self)
+        with _patching.patched([(axes_scan, "scan", _scan_with_silent_prepass)]):
+            with nn.intercept_methods(state.intercept):
+                return apply()
+
+    def with_variables(self, updates: Mapping[str, Any]) -> "LinenModule":
+        """The same model with some collections replaced (e.g. the `updates` a call with
+        `mutable=["batch_stats"]` returned).
+
+        **Arguments:**
+
+        - `updates`: `{collection: variables}`.
+
+        **Returns:**
+
+        A copy whose other collections are unchanged.
+        """
+        return eqx.tree_at(lambda m: m.variables, self, {**self.variables, **updates})
+
+    def with_rngs(self, rngs: Mapping[str, PRNGKeyArray] | None) -> "LinenModule":
+        """The same model with other rngs for its next calls (e.g. a new dropout key per
+        step).
+
+        **Arguments:**
+
+        - `rngs`: `{stream name: key}`, as for `module.apply`.
+
+        **Returns:**
+
+        A copy using `rngs`.
+        """
+        return eqx.tree_at(lambda m: m.rngs, self, None if rngs is None else dict(rngs), is_leaf=lambda x: x is None)
+
+    def layers(self) -> None:
+        """`None`: linen creates compact submodules during the call, and the variables
+        name only the modules that hold some (`Dropout_0`, `nn.Sequential` and `nn.RNN`
+        wrappers hold none), so the layers are known from a call only (`px.summary`)."""
+        return None
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """`(trainable, non_trainable)`: sizes of the `params` collection, and of the
+        float arrays of the other collections (`batch_stats`, ...)."""
+        return _counts(self.variables)
+
+    def layer_parameter_counts(self, module: nn.Module) -> tuple[int, int]:
+        """As `parameter_counts`, for one bound submodule during its call (one step of
+        an `nn.scan`)."""
+        return _counts(module.variables)
+
+    def layer_kind(self, module: nn.Module) -> str:
+        """The library-independent kind (`px.KINDS`) of a linen module."""
+        return kind_of(module, LINEN_KINDS)
+
+    def read_layer(self, local: Path, modules: dict | None = None) -> Layout | Container:
+        """The parameters (and BatchNorm statistics) of the submodule at `local` in
+        named axes (`_engine/_layouts.py`); `modules` (local path -> the linen module
+        seen during a call) tells what the variables alone do not (a module's class)."""
+        return _linen_layout(self.variables, local, modules or {})
+
+    def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "LinenModule":
+        """A copy with `values` (from `_layouts.fit`) in the submodule at `local`: new
+        dicts along the way, the user's variables are never mutated."""
+        spec = _linen_spec(self.variables, local, modules or {})[1]
+        variables = self.variables
+        for name, value in values.items():
+            locations = spec[name][0]
+            parts = [value] if len(locations) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(locations))]
+            for (collection, relative), part in zip(locations, parts):
+                variables = _replaced(variables, (collection, *local, *relative), part)
+        return eqx.tree_at(lambda m: m.variables, self, variables)
+
+
+# -- parameter layouts (px.transfer_params) ------------------------------------------
+# linen's facts: kernels are (in, out) / (*window, in / groups, out); the projections of
+# `nn.MultiHeadDotProductAttention` are `DenseGeneral`s named query/key/value with
+# (in, heads, head_dim) kernels and `out` with a (heads, head_dim, out) kernel; a norm's
+# shift is called `bias`; BatchNorm statistics are in the `batch_stats` collection; an
+# `LSTMCell` holds one `Dense` per gate and side, named ii/if/ig/io (no bias) and
+# hi/hf/hg/ho; `nn.scan`/`nn.vmap` put stack axes in front of every variable. A spec
+# maps a parameter to the variables it is stacked from (one variable: the value itself)
+# and its named axes. The module's class is known from a call (`modules`); without
+# one, the variables' names and shapes decide where they are unambiguous.
+
+_ATTENTION_INPUTS = ("query", "key", "value")
+_LSTM_GATES = ("i", "f", "g", "o")
+_LSTM_NAMES = {f"{side}{gate}" for side in "ih" for gate in _LSTM_GATES}
+_GRU_NAMES = {"ir", "iz", "in", "hr", "hz", "hn"}
+
+Location = tuple[str, Path]
+Spec = dict[str, tuple[tuple[Location, ...], Any]]
+
+
+def _node(tree: Any, path: Path) -> Any:
+    for part in path:
+        if not isinstance(tree, Mapping) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _own(tree: Any) -> dict[str, Any]:
+    """A module's own variables (not its submodules')."""
+    if not isinstance(tree, Mapping):
+        return {}
+    return {name: value for name, value in tree.items() if not isinstance(value, Mapping)}
+
+
+def _single(names: dict[str, tuple[str, str, Any]]) -> Spec:
+    # name -> (collection, native name, axes), for parameters held in one variable.
+    return {name: (((collection, (native,)),), ax) for name, (collection, native, ax) in names.items()}
+
+
+def _lstm_spec() -> Spec:
+    def gates(side: str, name: str) -> tuple[Location, ...]:
+        return tuple(("params", (f"{side}{gate}", name)) for gate in _LSTM_GATES)
+
+    return {
+        "input_kernel": (gates("i", "kernel"), axes("in", "gate", "hidden")),
+        "hidden_kernel": (gates("h", "kernel"), axes("recurrent", "gate", "hidden")),
+        "bias": (gates("h", "bias"), axes("gate", "hidden")),
+    }
+
+
+def _is_attention(variables: Mapping[str, Any], local: Path, parent: Any, kernel: Any) -> bool:
+    if parent is not None:
+        return isinstance(parent, nn.MultiHeadDotProductAttention)
+    # Without a call, the names tell: linen's attention always names its projections so.
+    siblings = _node(variables["params"], local[:-1]) if local else {}
+    return {*_ATTENTION_INPUTS, "out"} <= set(siblings) and kernel.ndim == 3
+
+
+def _kernel_spec(variables: Mapping[str, Any], local: Path, module: Any, parent: Any) -> tuple[str, Spec, dict]:
+    path = ".".join(local)
+    own = _own(_node(variables["params"], local))
+    kernel, bias = own["kernel"], own.get("bias")
+    if _is_attention(variables, local, parent, kernel) and local[-1] in _ATTENTION_INPUTS:
+        return "attention_in", _single({
+            "kernel": ("params", "kernel", axes("in", "heads", "head_dim")),
+            "bias": ("params", "bias", axes("heads", "head_dim")),
+        }), {}
+    if _is_attention(variables, local, parent, kernel) and local[-1] == "out":
+        return "attention_out", _single({
+            "kernel": ("params", "kernel", axes("heads", "head_dim", "out")),
+            "bias": ("params", "bias", axes("out")),
+        }), {}
+    if isinstance(module, nn.Dense) or (module is None and kernel.ndim == 2):
+        return "linear", _single({
+            "kernel": ("params", "kernel", axes("in", "out")), "bias": ("params", "bias", axes("out")),
+        }), {}
+    if isinstance(module, nn.Conv) or (module is None and (bias is None or bias.ndim == 1)):
+        window = len(module.kernel_size) if isinstance(module, nn.Conv) else kernel.ndim - 2
+        facts = {"groups": module.feature_group_count} if isinstance(module, nn.Conv) else {}
+        return "conv", _single({
+            "kernel": ("params", "kernel", axes(*(f"window{i}" for i in range(window)), "in", "out")),
+            "bias": ("params", "bias", axes("out")),
+        }), facts
+    if module is None:
+        raise refuse(
+            path, f"a kernel {tuple(kernel.shape)} with a bias {tuple(bias.shape)} is a stacked "
+            "Dense or a DenseGeneral: which one is known from a call (pass inputs=)"
+        )
+    raise refuse(path, f"no known parameter layout for {type(module).__name__} (a DenseGeneral with several input or feature axes has no counterpart)")
+
+
+def _linen_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> tuple[str, Spec, dict, dict]:
+    """(kind, spec, orders, facts) of the linen layer at `local`."""
+    path = ".".join(local)
+    module, parent = modules.get(local), modules.get(local[:-1]) if local else None
+    params = _node(variables.get("params", {}), local)
+    own = _own(params)
+    children = {name for name in params if name not in own} if isinstance(params, Mapping) else set()
+    if isinstance(module, nn.LSTMCell) or (module is None and not own and children == _LSTM_NAMES):
+        return "lstm", _lstm_spec(), {"gate": _LSTM_GATES}, {}
+    if isinstance(module, nn.GRUCell) or (module is None and not own and children == _GRU_NAMES):
+        raise refuse(path, "GRU cells are not transferred (no other library's adapter reads them yet)")
+    if isinstance(module, nn.ConvTranspose):
+        raise refuse(path, "conv-transpose kernels are not transferred (the libraries flip and order them differently)")
+    if "kernel" in own:
+        kind, spec, facts = _kernel_spec(variables, local, module, parent)
+        return kind, spec, {}, facts
+    if set(own) == {"embedding"}:
+        return "embedding", _single({"embedding": ("params", "embedding", axes("vocab", "features"))}), {}, {}
+    if own and set(own) <= {"scale", "bias"}:
+        norm = _single({"scale": ("params", "scale", axes("features")), "offset": ("params", "bias", axes("features"))})
+        stats = _node(variables.get("batch_stats", {}), local)
+        if isinstance(module, nn.BatchNorm) or (module is None and {"mean", "var"} <= set(_own(stats))):
+            return "batch_norm", {**norm, **_single({
+                "mean": ("batch_stats", "mean", axes("features")), "var": ("batch_stats", "var", axes("features")),
+            })}, {}, {}
+        facts = {"groups": module.num_groups} if isinstance(module, nn.GroupNorm) else {}
+        return "norm", norm, {}, facts
+    raise refuse(path, f"no known parameter layout for linen variables {sorted(own)}")
+
+
+def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> Layout | Container:
+    path = ".".join(local)
+    params = _node(variables.get("params", {}), local)
+    if not isinstance(params, Mapping):
+        raise HookError(f"transfer_params: no linen module with parameters at {path!r}")
+    cell = isinstance(modules.get(local), nn.RNNCellBase) or set(params) in (_LSTM_NAMES, _GRU_NAMES)
+    if not _own(params) and not cell:
+        return Container(tuple(".".join(p) for p in _subtree_paths(params) if _own(_node(params, p))))
+    kind, spec, orders, facts = _linen_spec(variables, local, modules)
+    values = {}
+    for name, (locations, ax) in spec.items():
+        found = [_node(variables.get(collection, {}), (*local, *relative)) for collection, relative in locations]
+        if any(value is None for value in found):
+            values[name] = Param(None, ax)
+        else:
+            # Several variables (one per gate) form one parameter along a gate axis.
+            values[name] = Param(found[0] if len(found) == 1 else jnp.stack(found, axis=-2), ax)
+    return Layout(kind, values, {}, orders, facts)
+
+
+def _replaced(tree: Mapping[str, Any], path: Path, value: Any) -> dict[str, Any]:
+    # New dicts along the path: the user's variables are never mutated.
+    head, *rest = path
+    return {**tree, head: _replaced(tree[head], tuple(rest), value) if rest else value}
+
+
+def _subtree_paths(tree: Any, prefix: Path = ()) -> list[Path]:
+    paths = []
+    if isinstance(tree, Mapping):
+        for key, child in tree.items():
+            if isinstance(child, Mapping):
+                path = (*prefix, str(key))
+                paths.append(path)
+                paths.extend(_subtree_paths(child, path))
+    return paths
+
+
+# -- one hooked call -----------------------------------------------------------------
+_silenced_in_thread = _context.ThreadStack()
+
+
+@dataclasses.dataclass(eq=False)
+class _Interception:
+    """One hooked call of one `LinenModule`: its interceptor."""
+
+    owner: LinenModule
+
+    def intercept(self, next_f: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+        module = context.module
+        # The root's call is the converted module's own call site; lifted-transform
+        # wrappers run under other method names; nn.scan's pre-pass is not a call.
+        if (
+            context.method_name not in self.owner.methods
+            or not module.path
+            or _silenced_in_thread.items
+        ):
+            return next_f(*args, **kwargs)
+        local = tuple(str(part) for part in module.path)
+        if context.method_name != "__call__":
+            local = (*local, context.method_name)
+        return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module)
+
+
+def _scan_with_silent_prepass(original: Callable) -> Callable:
+    def scan(fn: Callable, *args: Any, check_constancy_invariants: bool = True, **kwargs: Any):
+        if not check_constancy_invariants:
+            return original(fn, *args, check_constancy_invariants=False, **kwargs)
+        # With the constancy check, axes_scan traces the body once before it calls
+        # jax.lax.scan: that first trace is the pre-pass.
+        pending = [True]
+
+        def body(*body_args: Any) -> Any:
+            if not pending:
+                return fn(*body_args)
+            pending.clear()
+            _silenced_in_thread.items.append(True)
+            try:
+                return fn(*body_args)
+            finally:
+                _silenced_in_thread.items.pop()
+
+        scan_fn = original(body, *args, check_constancy_invariants=True, **kwargs)
+
+        def scanned(*call_args: Any) -> Any:
+            pending[:] = [True]
+            return scan_fn(*call_args)
+
+        return scanned
+
+    setattr(scan, _patching.ORIGINAL, original)
+    return scan
+
+
+def from_linen(
+    module: nn.Module,
+    variables: Mapping[str, Any],
+    *,
+    rngs: Mapping[str, PRNGKeyArray] | None = None,
+    mutable: bool | str | Collection[str] = False,
+    methods: Sequence[str] = ("__call__",),
+) -> LinenModule:
+    """Expose a Flax linen model as an `eqx.Module` that every peex_interop hook works on.
+
+    **Arguments:**
+
+    - `module`: the linen module (definition; unbound).
+    - `variables`: what `module.init` returned: `{"params": ..., "batch_stats": ...}`
+        (never mutated).
+    - `rngs`: `{stream name: key}` for `module.apply` (e.g. `{"dropout": key}`); change
+        them per step with `.with_rngs(...)`.
+    - `mutable`: the collections a call may update, as for `module.apply`; when set, a
+        call returns `(output, updates)`.
+    - `methods`: the submodule methods that are layer calls (only `__call__` by
+        default; other methods log under `path.method`).
+
+    **Returns:**
+
+    A `LinenModule` called with the module's own arguments.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"from_linen converts a flax.linen.Module, got {type(module).__module__}."
+            f"{type(module).__qualname__}"
+        )
+    if module.scope is not None:
+        raise TypeError(
+            "from_linen takes the unbound module definition (the object you call "
+            "`.init` on), not a bound module"
+        )
+    if not isinstance(variables, Mapping) or "params" not in variables and variables:
+        raise TypeError(
+            "from_linen expects the variables dict that `module.init` returns "
+            f"({{'params': ...}}), got {type(variables).__name__} with keys "
+            f"{sorted(variables) if isinstance(variables, Mapping) else '-'}"
+        )
+    return LinenModule(
+        variables=_plain(variables),
+        rngs=None if rngs is None else dict(rngs),
+        definition=_Definition(module),
+        mutable=_static_mutable(mutable),
+        methods=tuple(method for method in methods if method not in ("__init__", "setup")),
+    )
+
+
+def _plain(tree: Mapping[str, Any]) -> dict[str, Any]:
+    # FrozenDicts become dicts: one pytree structure whichever flax returned.
+    return {key: _plain(value) if isinstance(value, Mapping) else value for key, value in tree.items()}

@@ -1,0 +1,539 @@
+"""Flax linen models converted with `px.from_linen`: outputs, names, logs against linen's
+own `capture_intermediates` and against submodules called by hand, stacked logs through
+linen's lifted transforms (where `capture_intermediates` returns nothing), backward logs
+against gradients of the sub-computation, edits, collections, rngs, kinds and summaries,
+training, patch scoping and threads."""
+
+import threading
+
+import pytest
+
+pytest.importorskip("flax")  # skipped where the [flax] extra is not installed
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.core import axes_scan
+
+import peex_interop as px
+from peex_interop._adapters._linen import from_linen, LinenModule
+from peex_interop._engine import _patching
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+# -- models ------------------------------------------------------------------------------
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(5)(x))
+        return nn.Dense(2)(h)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(4, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
+        x = nn.ConvTranspose(3, (2, 2), strides=(2, 2))(x)
+        return nn.Dense(2)(x.mean(axis=(1, 2)))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h, h)
+        return x + nn.Sequential([nn.Dense(8), nn.gelu, nn.Dense(4)], name="mlp")(nn.RMSNorm()(x))
+
+
+class Transformer(nn.Module):
+    def setup(self):
+        self.embed = nn.Embed(11, 4)
+        self.blocks = [Block() for _ in range(2)]
+        self.head = nn.DenseGeneral((2, 3))
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Step(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + jnp.tanh(nn.Dense(4, name="lin")(nn.LayerNorm(name="norm")(x))), None
+
+
+def scanned_steps(**options):
+    return nn.scan(Step, variable_axes={"params": 0}, split_rngs={"params": True}, length=3, **options)
+
+
+class Lifted(nn.Module):
+    """nn.scan (a layer stack), nn.remat, nn.vmap (an ensemble) and nn.jit."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, name="inp")(x)
+        x, _ = scanned_steps()(name="blocks")(x, None)
+        x = nn.remat(nn.Dense)(4, name="rem")(x)
+        x = nn.jit(nn.Dense)(4, name="jitted")(x)
+        ensemble = nn.vmap(
+            nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=None, out_axes=0, axis_size=2,
+        )
+        return ensemble(2, name="ens")(x).mean(0)
+
+
+class Recurrent(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+        return nn.RNN(nn.LSTMCell(4), name="lstm")(xs) + nn.RNN(nn.GRUCell(4), name="gru")(xs)
+
+
+def key(i):
+    return jax.random.key(i)
+
+
+MODELS = {
+    "mlp": (MLP, lambda: jax.random.normal(key(1), (2, 3)), {}),
+    "cnn": (CNN, lambda: jax.random.normal(key(1), (2, 5, 5, 2)), {}),
+    "cnn_train": (CNN, lambda: jax.random.normal(key(1), (2, 5, 5, 2)), {"train": True}),
+    "transformer": (Transformer, lambda: jax.random.randint(key(1), (2, 5), 0, 11), {}),
+    "lifted": (Lifted, lambda: jax.random.normal(key(1), (2, 3)), {}),
+    "recurrent": (Recurrent, lambda: jax.random.normal(key(1), (2, 5, 3)), {}),
+}
+RNGS = {"dropout": key(7)}
+
+
+class _Built(dict):
+    """name -> (module, variables, x, kwargs), each initialised once, when first used."""
+
+    def __missing__(self, name):
+        cls, x, kwargs = MODELS[name]
+        module, x = cls(), x()
+        init = jax.jit(lambda x: module.init({"params": key(0), "dropout": key(1)}, x, **kwargs))
+        self[name] = (module, jax.device_get(init(x)), x, kwargs)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def built():
+    return _Built()
+
+
+def convert(module, variables, kwargs):
+    mutable = ["batch_stats"] if kwargs.get("train") else False
+    return from_linen(module, variables, rngs=RNGS, mutable=mutable)
+
+
+def reference(module, variables, x, kwargs, **options):
+    mutable = ["batch_stats"] if kwargs.get("train") else False
+    return module.apply(variables, x, rngs=RNGS, mutable=options.pop("mutable", mutable), **options, **kwargs)
+
+
+def captured(module, variables, x, kwargs):
+    """linen's own record of every `__call__` output, keyed like the package's logs."""
+    mutable = ["intermediates", "batch_stats"] if kwargs.get("train") else ["intermediates"]
+    _, state = module.apply(variables, x, rngs=RNGS, mutable=mutable, capture_intermediates=True, **kwargs)
+
+    def flatten(tree, prefix):
+        for name, value in tree.items():
+            if name == "__call__":
+                if prefix:
+                    for count, v in enumerate(value):
+                        yield (prefix if count == 0 else f"{prefix}@{count}"), v
+            else:
+                yield from flatten(value, f"{prefix}.{name}" if prefix else name)
+
+    return dict(flatten(state["intermediates"], ""))
+
+
+# -- outputs and forward logs ------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_converted_and_identity_hooked_outputs_equal_apply(built, name):
+    module, variables, x, kwargs = built[name]
+    converted = convert(module, variables, kwargs)
+    expected = reference(module, variables, x, kwargs)
+    jax.tree.map(close, converted(x, **kwargs), expected)
+    output, log = px.ForwardHook(converted, hook_fn=px.IdentityHook())(x, **kwargs)
+    jax.tree.map(close, output, expected)
+    assert log == {}
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "cnn_train", "transformer"])
+def test_logs_equal_capture_intermediates(built, name):
+    module, variables, x, kwargs = built[name]
+    _, log = px.ForwardHook(convert(module, variables, kwargs), log_fn=px.IdentityLog())(x, **kwargs)
+    expected = captured(module, variables, x, kwargs)
+    assert set(log) == set(expected)
+    jax.tree.map(close, log, expected)
+
+
+def test_paths_are_linen_scope_paths(built):
+    module, variables, x, _ = built["transformer"]
+    converted = from_linen(module, variables)
+    _, log = px.ForwardHook(converted, log_fn=px.MeanLog())(x)
+    assert {"embed", "blocks_0", "blocks_0.attn", "blocks_0.attn.query", "blocks_0.attn.out",
+            "blocks_1.mlp", "blocks_1.Dense_1", "head"} <= set(log)
+    _, log = px.ForwardHook(converted, log_fn=px.MeanLog(), where="blocks_*.attn.*")(x)
+    assert set(log) == {f"blocks_{i}.attn.{p}" for i in range(2) for p in ("query", "key", "value", "out")}
+    _, log = px.ForwardHook(converted, log_fn=px.MeanLog(), where=nn.RMSNorm)(x)
+    assert set(log) == {"blocks_0.RMSNorm_0", "blocks_1.RMSNorm_0"}
+    # Modules without variables of their own are layers too.
+    _, log = px.ForwardHook(converted, log_fn=px.MeanLog(), layer_names=["blocks_1.mlp"])(x)
+    assert set(log) == {"blocks_1.mlp"}
+
+
+def test_scan_logs_are_stacked_where_linen_captures_nothing(built):
+    module, variables, x, _ = built["lifted"]
+    converted = from_linen(module, variables)
+    with jax.checking_leaks():
+        _, log = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.IdentityLog())(x))(converted, x)
+    # linen's own mechanism silently drops the scanned body's intermediates.
+    expected = captured(module, variables, x, {})
+    assert "inp" in expected and not any(path.startswith("blocks") for path in expected)
+    assert log["blocks.lin"].shape == (3, 2, 4)
+    # The reference: each step's submodules called by hand on that step's parameters.
+    params = variables["params"]
+    h = nn.Dense(4).apply({"params": params["inp"]}, x)
+    for step in range(3):
+        p = jax.tree.map(lambda a: a[step], params["blocks"])
+        normed = nn.LayerNorm().apply({"params": p["norm"]}, h)
+        close(log["blocks.norm"][step], normed)
+        close(log["blocks.lin"][step], nn.Dense(4).apply({"params": p["lin"]}, normed))
+        h = Step().apply({"params": p}, h, None)[0]
+        close(log["blocks"][0][step], h)
+    close(log["rem"], nn.Dense(4).apply({"params": params["rem"]}, h))
+    close(log["jitted"], nn.Dense(4).apply({"params": params["jitted"]}, log["rem"]))
+    for member in range(2):
+        p = jax.tree.map(lambda a: a[member], params["ens"])
+        close(log["ens"][member], nn.Dense(2).apply({"params": p}, log["jitted"]))
+
+
+def test_scan_logs_equal_linen_capture_when_linen_is_told_to_stack(built):
+    module, variables, x, _ = built["lifted"]
+
+    class Told(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(4, name="inp")(x)
+            stack = nn.scan(Step, variable_axes={"params": 0, "intermediates": 0},
+                            split_rngs={"params": True}, length=3)
+            return stack(name="blocks")(x, None)[0]
+
+    told = Told()
+    params = {"params": {k: variables["params"][k] for k in ("inp", "blocks")}}
+    _, log = px.ForwardHook(from_linen(told, params), log_fn=px.IdentityLog(), where="blocks.*")(x)
+    expected = captured(told, params, x, {})
+    assert set(log) == {"blocks.norm", "blocks.lin"}
+    for path in log:
+        close(log[path], expected[path])
+
+
+def test_recurrent_cells_log_per_time_step(built):
+    module, variables, x, _ = built["recurrent"]
+    _, log = px.ForwardHook(from_linen(module, variables), log_fn=px.IdentityLog(), where=px.kind("recurrent"))(x)
+    # linen names a cell by the scope it is created in (here the parent's), not by
+    # the nn.RNN that scans it.
+    assert set(log) == {"lstm", "gru", "LSTMCell_0", "GRUCell_0"}
+    (c, h), y = log["LSTMCell_0"]
+    assert y.shape == (5, 2, 4)  # (time, batch, features): nn.RNN scans over time
+    cell = nn.LSTMCell(4)
+    carry = cell.initialize_carry(key(0), x[:, 0].shape)
+    for t in range(5):
+        carry, out = cell.apply({"params": variables["params"]["LSTMCell_0"]}, carry, x[:, t])
+        close(y[t], out)
+    close(log["lstm"], jnp.swapaxes(y, 0, 1))
+
+
+# -- transforms around, backward logs, edits -----------------------------------------------
+@pytest.mark.parametrize("name", ["cnn_train", "lifted"])
+def test_under_filter_jit_grad_vmap_outside(built, name):
+    module, variables, x, kwargs = built[name]
+    hooked = px.ForwardHook(convert(module, variables, kwargs), log_fn=px.IdentityLog(), where=px.kind("linear", "conv"))
+    # In training mode the call returns (output, updates).
+    output = (lambda out: out[0]) if kwargs else (lambda out: out)
+
+    def reference_loss(params):
+        return jnp.sum(output(reference(module, {**variables, "params": params}, x, kwargs)) ** 2)
+
+    with jax.checking_leaks():
+        out, log = eqx.filter_jit(lambda h, x: h(x, **kwargs))(hooked, x)
+        grads = eqx.filter_jit(eqx.filter_grad(lambda h, x: jnp.sum(output(h(x, **kwargs)[0]) ** 2)))(hooked, x)
+    jax.tree.map(close, out, reference(module, variables, x, kwargs))
+    expected = captured(module, variables, x, kwargs)
+    for path in log:
+        if path in expected:  # linen captures nothing inside nn.scan
+            close(log[path], expected[path])
+    jax.tree.map(close, grads.model.variables["params"], jax.jit(jax.grad(reference_loss))(variables["params"]))
+    if name == "lifted":  # per example: BatchNorm in training mode would see a batch of 1
+        with jax.checking_leaks():
+            _, per_example = eqx.filter_vmap(lambda h, x: h(x[None]), in_axes=(None, 0))(hooked, x)
+        # (example, *stack, 1, features) -> (*stack, example, features)
+        jax.tree.map(lambda a, b: close(jnp.moveaxis(a, 0, -3)[..., 0, :], b), per_example, log)
+
+
+def _delta_grads(module, variables, x, paths, **kwargs):
+    """Gradients of `sum(out**2)` with respect to a zero added to each path's output,
+    through linen's own interceptor: the cotangents of those outputs."""
+
+    def loss(deltas):
+        def add(next_f, args, kw, context):
+            out = next_f(*args, **kw)
+            path = ".".join(context.module.path)
+            if context.method_name == "__call__" and path in deltas:
+                out = out + deltas[path]
+            return out
+
+        with nn.intercept_methods(add):
+            out = module.apply(variables, x, **kwargs)
+        return jnp.sum(out**2)
+
+    shapes = captured(module, variables, x, {})
+    return jax.grad(loss)({p: jnp.zeros_like(shapes[p]) for p in paths})
+
+
+def test_backward_logs_equal_gradients_of_the_sub_computation(built):
+    module, variables, x, _ = built["transformer"]
+    paths = ["embed", "blocks_0.attn.query", "blocks_1.mlp", "head"]
+    hooked = px.BackwardHook(from_linen(module, variables), log_fn=px.IdentityLog(), layer_names=paths).init(x)
+    with jax.checking_leaks():
+        grads = eqx.filter_jit(eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2)))(hooked, x)
+    expected = _delta_grads(module, variables, x, paths)
+    assert set(grads.log) == set(paths)
+    jax.tree.map(close, grads.log, expected)
+
+
+def test_backward_logs_in_a_scan_are_per_step(built):
+    module, variables, x, _ = built["lifted"]
+    hooked = px.BackwardHook(from_linen(module, variables), log_fn=px.IdentityLog(), where="blocks.lin").init(x)
+    grads = eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2))(hooked, x)
+    assert grads.log["blocks.lin"].shape == (3, 2, 4)
+    # The reference: d loss / d (step output) with a zero added to one step's `lin`.
+    params = variables["params"]
+
+    def loss(deltas):
+        h = nn.Dense(4).apply({"params": params["inp"]}, x)
+        for step in range(3):
+            p = jax.tree.map(lambda a: a[step], params["blocks"])
+            lin = nn.Dense(4).apply({"params": p["lin"]}, nn.LayerNorm().apply({"params": p["norm"]}, h))
+            h = h + jnp.tanh(lin + deltas[step])
+        h = nn.Dense(4).apply({"params": params["jitted"]}, nn.Dense(4).apply({"params": params["rem"]}, h))
+        outs = [nn.Dense(2).apply({"params": jax.tree.map(lambda a: a[m], params["ens"])}, h) for m in range(2)]
+        return jnp.sum(((outs[0] + outs[1]) / 2) ** 2)
+
+    expected = jax.grad(loss)(jnp.zeros((3, 2, 4)))
+    close(grads.log["blocks.lin"], expected)
+
+
+def test_forward_edit_equals_hand_modified_model(built):
+    module, variables, x, _ = built["mlp"]
+    doubled = px.FunctionHook(lambda y: 2 * y)
+    out, _ = px.ForwardHook(from_linen(module, variables), hook_fn=doubled, where="Dense_0")(x)
+    # Dense is linear (and relu positively homogeneous): doubling its output is
+    # doubling its kernel and bias.
+    params = {**variables["params"], "Dense_0": jax.tree.map(lambda a: 2 * a, variables["params"]["Dense_0"])}
+    close(out, module.apply({"params": params}, x))
+
+
+def test_backward_edit_equals_hand_modified_gradient(built):
+    module, variables, x, _ = built["mlp"]
+    hooked = px.BackwardHook(from_linen(module, variables), hook_fn=px.FunctionHook(lambda g: 3 * g), where="Dense_0")
+    grads = eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2))(hooked, x)
+    plain = jax.grad(lambda p: jnp.sum(module.apply({"params": p}, x) ** 2))(variables["params"])
+    # Tripling the cotangent of the hidden layer's output triples its gradients only.
+    jax.tree.map(lambda a, b: close(a, 3 * b), grads.model.variables["params"]["Dense_0"], plain["Dense_0"])
+    jax.tree.map(close, grads.model.variables["params"]["Dense_1"], plain["Dense_1"])
+
+
+# -- collections, rngs, modes --------------------------------------------------------------
+def test_batch_stats_are_returned_and_carried_like_apply(built):
+    module, variables, x, kwargs = built["cnn_train"]
+    converted = convert(module, variables, kwargs)
+    (out, updates), log = px.ForwardHook(converted, log_fn=px.MeanLog())(x, train=True)
+    expected, expected_updates = reference(module, variables, x, kwargs)
+    jax.tree.map(close, updates, expected_updates)
+    carried = converted.with_variables(updates)
+    jax.tree.map(close, carried.variables["batch_stats"], expected_updates["batch_stats"])
+    assert px.total_params(converted) == (
+        sum(a.size for a in jax.tree.leaves(variables["params"])),
+        sum(a.size for a in jax.tree.leaves(variables["batch_stats"])),
+    )
+    # Eval mode: no collection is mutable, so the call returns the output alone.
+    evaluation = from_linen(module, carried.variables)
+    close(evaluation(x), module.apply(carried.variables, x))
+
+
+def test_dropout_takes_the_rngs(built):
+    module, variables, x, kwargs = built["cnn_train"]
+    converted = convert(module, variables, kwargs)
+    a, _ = converted(x, train=True)
+    b, _ = converted.with_rngs({"dropout": key(8)})(x, train=True)
+    assert not jnp.allclose(a, b)
+    close(b, module.apply(variables, x, train=True, rngs={"dropout": key(8)}, mutable=["batch_stats"])[0])
+    with pytest.raises(Exception, match="dropout"):
+        from_linen(module, variables, mutable=["batch_stats"])(x, train=True)
+
+
+# -- kinds, summary, stats, training ---------------------------------------------------------
+def test_kinds_and_summary_cover_the_builtins(built):
+    kinds = {}
+    for name in ("cnn_train", "transformer", "recurrent"):
+        module, variables, x, kwargs = built[name]
+        summary = px.summary(convert(module, variables, kwargs), x, **kwargs)
+        kinds.update({row.module_type: row.kind for row in summary.rows})
+    assert kinds == {
+        "Conv": "conv", "BatchNorm": "norm", "Dropout": "dropout", "ConvTranspose": "conv",
+        "Dense": "linear", "Embed": "embedding", "LayerNorm": "norm", "RMSNorm": "norm",
+        "MultiHeadDotProductAttention": "attention", "DenseGeneral": "linear",
+        "Sequential": "container", "Block": "other", "RNN": "recurrent",
+        "LSTMCell": "recurrent", "GRUCell": "recurrent",
+    }
+    module, variables, x, kwargs = built["cnn_train"]
+    rows = {row.path: row for row in px.summary(convert(module, variables, kwargs), x, **kwargs).rows}
+    assert (rows["BatchNorm_0"].trainable, rows["BatchNorm_0"].non_trainable) == (8, 8)
+    assert rows["Conv_0"].trainable == 3 * 3 * 2 * 4 + 4
+
+
+def test_stats_logs_and_the_same_keys_as_an_equinox_twin(built):
+    module, variables, x, _ = built["mlp"]
+    _, log = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.activation_stats())(x))(from_linen(module, variables), x)
+    close(log["Dense_0"]["mean"], jnp.mean(nn.Dense(5).apply({"params": variables["params"]["Dense_0"]}, x)))
+
+    class Twin(eqx.Module):
+        Dense_0: eqx.nn.Linear
+        Dense_1: eqx.nn.Linear
+
+        def __call__(self, x):
+            return jax.vmap(lambda r: self.Dense_1(jax.nn.relu(self.Dense_0(r))))(x)
+
+    twin = Twin(eqx.nn.Linear(3, 5, key=key(0)), eqx.nn.Linear(5, 2, key=key(1)))
+    _, twin_log = px.ForwardHook(twin, log_fn=px.activation_stats(), where=px.kind("linear"))(x)
+    assert set(twin_log) == set(log)
+
+
+def test_training_with_optax_returns_linen_variables(built):
+    module, variables, x, _ = built["mlp"]
+    model = from_linen(module, variables)
+    optim = optax.sgd(0.1)
+    opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+    loss = lambda m: jnp.mean(m(x) ** 2)
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        grads = eqx.filter_grad(loss)(model)
+        updates, opt_state = optim.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state
+
+    for _ in range(3):
+        model, opt_state = step(model, opt_state)
+    assert loss(model) < loss(from_linen(module, variables))
+    close(module.apply(model.variables, x), model(x))
+
+
+# -- methods, errors, scoping, threads --------------------------------------------------------
+def test_other_methods_are_selectable():
+    class Coder(nn.Module):
+        def setup(self):
+            self.down = nn.Dense(2)
+            self.up = nn.Dense(3)
+
+        def encode(self, x):
+            return self.down(x)
+
+        def __call__(self, x):
+            return self.up(self.encode(x))
+
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Coder(name="coder")(x)
+
+    outer = Outer()
+    x = jnp.ones((1, 3))
+    variables = outer.init(key(0), x)
+    _, log = px.ForwardHook(from_linen(outer, variables), log_fn=px.MeanLog())(x)
+    assert set(log) == {"coder", "coder.down", "coder.up"}
+    with_encode = from_linen(outer, variables, methods=("__call__", "encode"))
+    _, log = px.ForwardHook(with_encode, log_fn=px.IdentityLog())(x)
+    assert set(log) == {"coder", "coder.encode", "coder.down", "coder.up"}
+    close(log["coder.encode"], log["coder.down"])
+
+
+def test_untreaded_transform_inside_raises_naming_the_layer():
+    class Loop(nn.Module):
+        def setup(self):
+            self.body = nn.Dense(3)
+
+        def __call__(self, x):
+            if self.is_initializing():
+                self.body(x)  # linen's loops need the parameters to exist already
+            return nn.while_loop(lambda m, c: jnp.sum(c) < 100.0, lambda m, c: m.body(c) + 1.0, self, x)
+
+    loop = Loop()
+    x = jnp.ones((1, 3))
+    variables = loop.init(key(0), x)
+    converted = from_linen(loop, variables)
+    close(converted(x), loop.apply(variables, x))
+    with pytest.raises(px.TransformError, match="'body'"):
+        px.ForwardHook(converted, log_fn=px.MeanLog())(x)
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="flax.linen.Module"):
+        from_linen(eqx.nn.Linear(2, 2, key=key(0)), {})
+    module = MLP()
+    with pytest.raises(TypeError, match="variables"):
+        from_linen(module, jnp.ones(3))
+
+
+def test_patches_are_undone_on_every_path_and_threads_are_isolated(built):
+    module, variables, x, _ = built["lifted"]
+    converted = from_linen(module, variables)
+    original = axes_scan.scan
+
+    def failing(y):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        px.ForwardHook(converted, hook_fn=px.FunctionHook(failing), where="blocks.lin")(x)
+    assert axes_scan.scan is original and not _patching.is_patched(axes_scan, "scan")
+
+    seen, errors = [], []
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(y):
+        inside.set()
+        release.wait(10)
+        return y
+
+    def hooked_thread():
+        try:
+            px.ForwardHook(converted, hook_fn=px.FunctionHook(slow), where="inp")(x)
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    def plain_thread():
+        inside.wait(10)
+        # While the other thread is inside its hooked call (patches installed), a
+        # plain call here is plain.
+        seen.append(_patching.is_patched(axes_scan, "scan"))
+        seen.append(converted(x))
+        release.set()
+
+    threads = [threading.Thread(target=hooked_thread), threading.Thread(target=plain_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and seen[0]
+    close(seen[1], module.apply(variables, x))
+    assert not _patching.is_patched(axes_scan, "scan")
