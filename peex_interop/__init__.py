@@ -1,24 +1,24 @@
 """One runtime hook-and-log API for Equinox (and converted Haiku / Flax NNX) models."""
 
 import importlib as _importlib
-from typing import Any as _Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any as _Any
 
 from ._diagnostics._recorder import Recorder as Recorder
 from ._diagnostics._stats import (
     AbsMaxLog as AbsMaxLog,
-    activation_stats as activation_stats,
     HistogramLog as HistogramLog,
     L2NormLog as L2NormLog,
     NearZeroLog as NearZeroLog,
-    pool_stats as pool_stats,
     StatsLog as StatsLog,
     StdLog as StdLog,
+    activation_stats as activation_stats,
+    pool_stats as pool_stats,
 )
 from ._diagnostics._summary import (
     LayerRow as LayerRow,
+    Summary as Summary,
     model_sizes as model_sizes,
     num_features as num_features,
-    Summary as Summary,
     summary as summary,
     total_params as total_params,
 )
@@ -47,11 +47,11 @@ from ._hooks._logs import (
     NoneLog as NoneLog,
 )
 from ._migration._align import (
-    align as align,
     Alignment as Alignment,
-    compare as compare,
     Comparison as Comparison,
     ComparisonRow as ComparisonRow,
+    align as align,
+    compare as compare,
 )
 from ._migration._rename import rename as rename
 from ._migration._transfer import transfer_params as transfer_params
@@ -65,12 +65,12 @@ __version__ = "0.1.0"
 # hidden from them, so that a misspelt `px.name` stays an error for them too.
 if TYPE_CHECKING:
     from ._adapters._haiku import (
-        from_haiku as from_haiku,
-        haiku_function as haiku_function,
         HaikuFunction as HaikuFunction,
         HaikuModule as HaikuModule,
+        from_haiku as from_haiku,
+        haiku_function as haiku_function,
     )
-    from ._adapters._nnx import from_nnx as from_nnx, NnxModule as NnxModule, to_nnx as to_nnx
+    from ._adapters._nnx import NnxModule as NnxModule, from_nnx as from_nnx, to_nnx as to_nnx
 else:
 
     def __getattr__(name: str) -> _Any:
