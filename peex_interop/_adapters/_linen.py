@@ -333,7 +333,14 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
     path = ".".join(local)
     params = _node(variables.get("params", {}), local)
     if not isinstance(params, Mapping):
-        raise HookError(f"transfer_params: no linen module with parameters at {path!r}")
+        if local in modules:
+            # A module without variables (nn.RNN, nn.Sequential): linen creates the
+            # layers it wraps in its parent's scope, so they are not below it.
+            return Container(())
+        raise HookError(
+            f"transfer_params: no linen module with parameters at {path!r} (modules "
+            "without variables, such as nn.RNN, are known from a call: pass inputs=)"
+        )
     cell = isinstance(modules.get(local), nn.RNNCellBase) or set(params) in (_LSTM_NAMES, _GRU_NAMES)
     if not _own(params) and not cell:
         return Container(tuple(".".join(p) for p in _subtree_paths(params) if _own(_node(params, p))))
