@@ -22,12 +22,15 @@ from ._diagnostics._summary import (
     summary as summary,
     total_params as total_params,
 )
-from ._engine._errors import HookError as HookError, TransformError as TransformError
+from ._engine._errors import (
+    HookError as HookError,
+    PeexInteropError as PeexInteropError,
+    TransformError as TransformError,
+)
 from ._engine._kinds import KINDS as KINDS
 from ._engine._paths import module_paths as module_paths
 from ._engine._selection import (
     all_of as all_of,
-    glob_to_regex as glob_to_regex,
     kind as kind,
     not_ as not_,
 )
@@ -70,6 +73,7 @@ if TYPE_CHECKING:
         from_haiku as from_haiku,
         haiku_function as haiku_function,
     )
+    from ._adapters._linen import LinenModule as LinenModule, from_linen as from_linen
     from ._adapters._nnx import NnxModule as NnxModule, from_nnx as from_nnx, to_nnx as to_nnx
 else:
 
@@ -89,6 +93,7 @@ _LAZY: dict[str, tuple[str, str]] = {
         ("from_haiku", "haiku_function", "HaikuFunction", "HaikuModule"), ("._adapters._haiku", "haiku")
     ),
     **dict.fromkeys(("from_nnx", "to_nnx", "NnxModule"), ("._adapters._nnx", "flax")),
+    **dict.fromkeys(("from_linen", "LinenModule"), ("._adapters._linen", "flax")),
 }
 
 
@@ -117,11 +122,13 @@ __all__ = [
     "IdentityLog",
     "L2NormLog",
     "LayerRow",
+    "LinenModule",
     "MeanLog",
     "MeanStdLog",
     "NearZeroLog",
     "NnxModule",
     "NoneLog",
+    "PeexInteropError",
     "Recorder",
     "StatsLog",
     "StdLog",
@@ -132,8 +139,8 @@ __all__ = [
     "all_of",
     "compare",
     "from_haiku",
+    "from_linen",
     "from_nnx",
-    "glob_to_regex",
     "haiku_function",
     "kind",
     "model_sizes",

@@ -199,3 +199,5 @@ def test_every_page_and_example_is_on_the_site():
     examples = (ROOT / "docs/examples.md").read_text()
     included = set(re.findall(r'--8<-- "(examples/[\w.]+\.py)"', examples))
     assert included == {p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.py")}
+    for notebook in (ROOT / "examples").glob("*.ipynb"):
+        assert f"examples/{notebook.name}" in examples, f"docs/examples.md does not show {notebook.name}"
