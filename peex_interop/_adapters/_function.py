@@ -1,0 +1,452 @@
+"""The pure-function adapter: where a call of a layer *function* becomes a call site.
+
+A pure-function model is `f(params, x, ...)` whose layers are plain functions taking a
+subtree of the params as their first argument (zephyr's
+`mlp(params["encoder"]["mlp_1"], x, [...])`, hand-written JAX models in that style).
+`from_function` wraps `(f, params)` as an `eqx.Module`. While a hooking context is
+active in the calling thread, every module-global name bound to one of the designated
+layer functions, in every loaded module and in `f`'s own globals, is replaced for the
+duration of the call by a function that hands the call to `_context.call_site`.
+Every module, because libraries call their layers through their *own* globals:
+zephyr's `mlp` calls `zephyr._nets.mlp.linear`, not `zephyr.nets.linear`.
+
+A call is named by the path of the params subtree it receives (`encoder.mlp_1.0`): a
+map `id(subtree) -> path` is built from the params inside the traced call (jit
+rebuilds the tree once per trace, and the model indexes into that very tree).
+Subtrees rebuilt inside a vmap/scan body hold the body's input tracers, which
+`_context.origin` maps back to the params' arrays. A layer function called without
+parameters (its first argument holds no arrays, e.g. a dropout) is named
+`<enclosing layer>.<function name>`.
+"""
+
+import dataclasses
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import PyTree
+
+from .._engine import _context, _patching
+from .._engine._errors import HookError
+from .._engine._kinds import KINDS
+from .._engine._layouts import axes, Container, Layout, Param, refuse
+from .._engine._paths import AbstractConverted
+
+Path = tuple[str, ...]
+
+# zephyr's nets, by qualified name (zephyr itself is not imported here).
+ZEPHYR_KINDS: dict[str, str] = {
+    "zephyr._nets.linear.linear": "linear",
+    "zephyr._nets.linear.branch_linear": "linear",
+    "zephyr._nets.linear.linear_like": "linear",
+    **{f"zephyr._nets.linear.conv_{n}d": "conv" for n in (1, 2, 3)},
+    **{f"zephyr._nets.linear.conv_transpose_{n}d": "conv" for n in (1, 2, 3)},
+    "zephyr._nets.linear.conv_general": "conv",
+    "zephyr._nets.linear.conv_transpose_general": "conv",
+    "zephyr._nets.mlp.mlp": "container",
+    "zephyr._nets.composition.sequential": "container",
+    "zephyr._nets.norm.layer_norm": "norm",
+    "zephyr._nets.attention.single_head_attention": "attention",
+    "zephyr._nets.attention.multi_head_attention": "attention",
+    "zephyr._nets.attention.multi_head_self_attention": "attention",
+    "zephyr._nets.linear_attention.multi_head_linear_attention": "attention",
+    "zephyr._nets.linear_attention.linear_transformer_block": "container",
+    "zephyr._nets.embed.token_embed": "embedding",
+    "zephyr._nets.dropout.dropout": "dropout",
+    "zephyr._nets.pool.max_pool": "pool",
+    "zephyr._nets.pool.avg_pool": "pool",
+}
+
+
+def _qualified_name(function: Callable) -> str:
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+
+
+def default_kind(function: Callable) -> str:
+    """The kind (`px.KINDS`) of a known library layer function, else `"other"`."""
+    return ZEPHYR_KINDS.get(_qualified_name(function), "other")
+
+
+class FunctionLayer:
+    """One call of a layer function, as `where=` predicates and `px.summary` see it:
+    `layer.function` is the function, `layer.params` the params subtree it received.
+    Each function gets its own subclass, named after it (`px.summary` shows `linear`)."""
+
+    __slots__ = ("params",)
+    function: Callable
+
+    def __init__(self, params: Any):
+        self.params = params
+
+    def calls(self, function: Callable) -> bool:
+        """Whether this is a call of `function`. Use it in `where=` predicates rather
+        than `layer.function is f`: during a hooked call, the global name `f` is bound
+        to its routed replacement."""
+        return _patching.unwrap(function) is self.function
+
+
+_layer_types: dict[Callable, type] = {}
+
+
+def layer_type(function: Callable) -> type:
+    """The `FunctionLayer` subclass of one layer function (for `where=` types)."""
+    function = _patching.unwrap(function)
+    cls = _layer_types.get(function)
+    if cls is None:
+        name = getattr(function, "__name__", "layer")
+        cls = type(name, (FunctionLayer,), {"__slots__": (), "function": staticmethod(function)})
+        _layer_types[function] = cls
+    return cls
+
+
+def _is_array(x: Any) -> bool:
+    return eqx.is_array(x)
+
+
+def _nodes(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Every container (dict, list, tuple) and array of a params tree, pre-order."""
+    if isinstance(tree, Mapping):
+        yield prefix, tree
+        for key, child in tree.items():
+            yield from _nodes(child, (*prefix, str(key)))
+    elif isinstance(tree, (list, tuple)):
+        yield prefix, tree
+        for index, child in enumerate(tree):
+            yield from _nodes(child, (*prefix, str(index)))
+    elif _is_array(tree):
+        yield prefix, tree
+
+
+def _size(tree: Any) -> int:
+    return sum(leaf.size for leaf in jax.tree.leaves(tree) if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
+
+
+class FunctionModule(AbstractConverted):
+    """A pure-function model `fn(params, *args)` with its params as one `eqx.Module`:
+    the params are the pytree's leaves, the function and its layer functions static.
+    Build it with `px.from_function`; calling it is `fn(params, *args, **kwargs)`.
+    """
+
+    params: PyTree
+    fn: Callable = eqx.field(static=True)
+    kinds: tuple[tuple[Callable, str], ...] = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model.
+
+        **Arguments:**
+
+        - `*args`, `**kwargs`: the model's arguments after `params` (inputs and
+            hyper-parameters, as they are).
+
+        **Returns:**
+
+        What `fn(params, *args, **kwargs)` returns.
+        """
+        if not _context.active():
+            return self.fn(self.params, *args, **kwargs)
+        call = _Call(self, {id(node): (path, node) for path, node in reversed(list(_nodes(self.params)))})
+        functions = [function for function, _ in self.kinds]
+        targets = [(owner, name, _routed) for owner, name in _bindings(functions, self.fn)]
+        with _patching.patched(targets):
+            _calls().append(call)
+            try:
+                return self.fn(self.params, *args, **kwargs)
+            finally:
+                _calls().remove(call)
+
+    @property
+    def layer_functions(self) -> tuple[Callable, ...]:
+        """The designated layer functions."""
+        return tuple(function for function, _ in self.kinds)
+
+    def layers(self) -> dict[Path, None]:
+        """Every path of the params tree (containers and arrays): a layer call is named
+        by the subtree it receives. Layer functions called without parameters are
+        named during the call only."""
+        return {path: None for path, _ in _nodes(self.params) if path}
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """`(trainable, 0)`: the size of the params' float arrays."""
+        return _size(self.params), 0
+
+    def layer_parameter_counts(self, layer: FunctionLayer) -> tuple[int, int]:
+        """As `parameter_counts`, for the subtree one layer call received."""
+        return _size(layer.params), 0
+
+    def layer_kind(self, layer: FunctionLayer) -> str:
+        """The kind (`px.KINDS`) given to the layer's function."""
+        return dict(self.kinds).get(type(layer).function, "other")
+
+    def read_layer(self, local: Path, modules: dict | None = None) -> Layout | Container:
+        """The parameters of the subtree at `local` in named axes
+        (`_engine/_layouts.py`), read with the `x @ w` convention: kernels are
+        `(in, out)` / `(*window, in, out)`. `modules` (local path -> the
+        `FunctionLayer` seen during a call) tells the layer's kind."""
+        return _function_layout(self, local, modules or {})
+
+    def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "FunctionModule":
+        """A copy with `values` (from `_layouts.fit`) in the subtree at `local`: new
+        containers along the way, the user's params are never mutated."""
+        spec = _function_spec(self, local, modules or {})[1]
+        params = self.params
+        for name, value in values.items():
+            params = _replaced(params, (*local, spec[name][0]), value)
+        return eqx.tree_at(lambda m: m.params, self, params)
+
+
+# -- naming calls -----------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One hooked call of one `FunctionModule`: how its layer calls are named."""
+
+    owner: FunctionModule
+    ids: dict[int, tuple[Path, Any]]
+    running: list[Path] = dataclasses.field(default_factory=list)
+    arrays: dict[int, Path] | None = None
+
+    def path_of(self, function: Callable, params: Any) -> Path:
+        entry = self.ids.get(id(params))
+        if entry is not None:
+            return entry[0]
+        leaves = [(path, node) for path, node in _nodes(params) if _is_array(node)]
+        if not leaves:
+            # No parameters: named after the function, inside the running layer.
+            return (*(self.running[-1] if self.running else ()), getattr(function, "__name__", "layer"))
+        if self.arrays is None:
+            self.arrays = {id(node): path for path, node in _nodes(self.owner.params) if _is_array(node)}
+        for relative, leaf in leaves:
+            found = self.arrays.get(id(_context.origin(leaf)))
+            if found is not None and found[len(found) - len(relative) :] == relative:
+                return found[: len(found) - len(relative)]
+        caller = ".".join(self.running[-1]) if self.running else ""
+        raise HookError(
+            f"cannot name the call of layer function {getattr(function, '__name__', function)!r} "
+            f"(called inside layer {caller!r}): its first argument holds arrays that are "
+            "not part of the model's params (a subtree built during the call, or params "
+            "passed through a transform peex_interop does not thread). Pass it a subtree "
+            "of the params the model was built with."
+        )
+
+
+_calls_in_thread = _context.ThreadStack()
+
+
+def _calls() -> list[_Call]:
+    return _calls_in_thread.items
+
+
+def _routed(original: Callable) -> Callable:
+    first = _first_parameter(original)
+    layer = layer_type(original)
+
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        calls = _calls()
+        if not calls or not _context.active():
+            return original(*args, **kwargs)
+        params = args[0] if args else kwargs.get(first)
+        call = calls[-1]
+        path = call.path_of(original, params)
+        call.running.append(path)
+        try:
+            return _context.call_site(call.owner, original, args, kwargs, local=path, module=layer(params))
+        finally:
+            call.running.pop()
+
+    setattr(routed, _patching.ORIGINAL, original)
+    return routed
+
+
+def _first_parameter(function: Callable) -> str:
+    try:
+        return next(iter(inspect.signature(function).parameters))
+    except (TypeError, ValueError, StopIteration):
+        return "params"
+
+
+# -- where the layer functions are bound --------------------------------------------------
+class _Namespace:
+    """A globals dict that belongs to no module (code run with `exec`), patched like a
+    module: attribute access is access to the dict."""
+
+    def __init__(self, namespace: dict):
+        self.__dict__ = namespace
+
+
+_namespaces: dict[int, _Namespace] = {}
+
+
+def _owner(namespace: dict) -> Any:
+    name = namespace.get("__name__")
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    if module is not None and vars(module) is namespace:
+        return module
+    if id(namespace) not in _namespaces:
+        _namespaces[id(namespace)] = _Namespace(namespace)
+    return _namespaces[id(namespace)]
+
+
+def _bound(value: Any, wanted: set[int]) -> bool:
+    if id(value) in wanted:
+        return True
+    # A name another overlapping call has already replaced.
+    return type(value) is types.FunctionType and _patching.ORIGINAL in vars(value) and id(_patching.unwrap(value)) in wanted
+
+
+def _bindings(functions: Sequence[Callable], fn: Callable) -> list[tuple[Any, str]]:
+    """(owner, name) of every global name bound to one of `functions`, in every loaded
+    module and in the globals of `fn` (and of the functions it wraps)."""
+    wanted = {id(function) for function in functions}
+    namespaces = {id(vars(m)): vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")}
+    inner = fn
+    while inner is not None:
+        if isinstance(getattr(inner, "__globals__", None), dict):
+            namespaces.setdefault(id(inner.__globals__), inner.__globals__)
+        inner = getattr(inner, "__wrapped__", None)
+    found = []
+    for namespace in namespaces.values():
+        for name, value in list(namespace.items()):
+            if _bound(value, wanted):
+                found.append((_owner(namespace), name))
+    return sorted(found, key=lambda entry: (id(entry[0]), entry[1]))
+
+
+# -- parameter layouts (px.transfer_params) ------------------------------------------
+# Function models' facts, read with the `x @ w` convention: a kernel (`weights`, `w`,
+# `kernel`) is (in, out) / (*window, in, out) and a `bias` (out,); zephyr's
+# `layer_norm` keeps `scale` and `offset` shaped (1, ..., features); an embedding is
+# (vocab, features); zephyr's attention projections `q_proj`/`k_proj`/`v_proj` are
+# `linear`s merging (heads, head_dim) head-major, and `out_proj` the reverse.
+
+_KERNELS = ("weights", "w", "kernel")
+_BIASES = ("bias", "b")
+_EMBEDDINGS = ("token_embeddings", "embedding", "embeddings")
+_ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
+_ATTENTION = {*_ATTENTION_INPUTS, "out_proj"}
+
+
+def _node(tree: Any, path: Path) -> Any:
+    for part in path:
+        if isinstance(tree, Mapping):
+            key = next((k for k in tree if str(k) == part), None)
+            if key is None:
+                return None
+            tree = tree[key]
+        elif isinstance(tree, (list, tuple)) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return None
+    return tree
+
+
+def _own(tree: Any) -> dict[str, Any]:
+    if not isinstance(tree, Mapping):
+        return {}
+    return {str(name): value for name, value in tree.items() if _is_array(value)}
+
+
+def _one_of(own: dict[str, Any], names: Sequence[str]) -> str | None:
+    return next((name for name in names if name in own), None)
+
+
+def _function_spec(model: FunctionModule, local: Path, modules: dict) -> tuple[str, dict[str, tuple[str, Any]]]:
+    """(kind, {canonical name: (native name, axes)}) of the subtree at `local`."""
+    path = ".".join(local)
+    own = _own(_node(model.params, local))
+    layer, parent = modules.get(local), modules.get(local[:-1]) if local else None
+    kind = model.layer_kind(layer) if layer is not None else None
+    kernel, bias = _one_of(own, _KERNELS), _one_of(own, _BIASES)
+    if kernel is not None:
+        ndim = own[kernel].ndim
+        siblings = _node(model.params, local[:-1]) if local else None
+        attention = (
+            model.layer_kind(parent) == "attention" if parent is not None
+            else isinstance(siblings, Mapping) and _ATTENTION <= {str(k) for k in siblings}
+        )
+        heads = axes(("heads", "head_dim"))[0]
+        if attention and local[-1] in _ATTENTION_INPUTS:
+            return "attention_in", {"kernel": (kernel, axes("in", heads)), "bias": (bias or "bias", axes(heads))}
+        if attention and local[-1] == "out_proj":
+            return "attention_out", {"kernel": (kernel, axes(heads, "out")), "bias": (bias or "bias", axes("out"))}
+        if kind == "linear" or (kind is None and ndim == 2):
+            return "linear", {"kernel": (kernel, axes("in", "out")), "bias": (bias or "bias", axes("out"))}
+        if kind == "conv":
+            window = tuple(f"window{i}" for i in range(ndim - 2))
+            return "conv", {"kernel": (kernel, axes(*window, "in", "out")), "bias": (bias or "bias", axes("out"))}
+        raise refuse(path, f"a kernel of {ndim} axes: a conv or stacked linear layers, which one is known from a call (pass inputs=)")
+    embedding = _one_of(own, _EMBEDDINGS)
+    if embedding is not None:
+        return "embedding", {"embedding": (embedding, axes("vocab", "features"))}
+    if own and set(own) <= {"scale", "offset"}:
+        some = next(iter(own.values()))
+        feature = axes(*[()] * (some.ndim - 1), "features")
+        return "norm", {"scale": ("scale", feature), "offset": ("offset", feature)}
+    raise refuse(path, f"no known parameter layout for parameters {sorted(own)}")
+
+
+def _function_layout(model: FunctionModule, local: Path, modules: dict) -> Layout | Container:
+    path = ".".join(local)
+    node = _node(model.params, local)
+    if node is None:
+        raise HookError(f"transfer_params: no params subtree at {path!r}")
+    if not _own(node):
+        parts = tuple(".".join(p) for p, n in _nodes(node) if p and _own(n))
+        if parts:
+            return Container(parts)
+    kind, spec = _function_spec(model, local, modules)
+    return Layout(kind, {name: Param(node.get(native), ax) for name, (native, ax) in spec.items()})
+
+
+def _replaced(tree: Any, path: Path, value: Any) -> Any:
+    # New containers along the path: the user's params are never mutated.
+    head, *rest = path
+    if isinstance(tree, Mapping):
+        key = next((k for k in tree if str(k) == head), head)
+        return {**tree, key: _replaced(tree[key], tuple(rest), value) if rest else value}
+    items = list(tree)
+    items[int(head)] = _replaced(items[int(head)], tuple(rest), value) if rest else value
+    return type(tree)(items)
+
+
+def from_function(
+    fn: Callable,
+    params: PyTree,
+    *,
+    layers: Sequence[Callable] | Mapping[Callable, str],
+) -> FunctionModule:
+    """Expose a pure-function model `fn(params, *args)` as an `eqx.Module` that every
+    peex_interop hook works on, without changing its code.
+
+    **Arguments:**
+
+    - `fn`: the model, called as `fn(params, *args, **kwargs)`.
+    - `params`: its params (dicts, lists and tuples of arrays; never mutated).
+    - `layers`: the layer functions whose calls are layers, e.g.
+        `[zephyr.nets.mlp, zephyr.nets.linear, my_block]`; a mapping gives their kinds
+        (`{my_dense: "linear"}`; zephyr's nets have theirs, others default to
+        `"other"`). Each call of one of them is a layer named by the path of the params
+        subtree it receives as first argument (`encoder.mlp_1.0`).
+
+    **Returns:**
+
+    A `FunctionModule` called with the model's arguments after `params`.
+    """
+    if not callable(fn):
+        raise TypeError(f"from_function expects the model function, got {type(fn).__name__}")
+    kinds = dict(layers) if isinstance(layers, Mapping) else {function: default_kind(function) for function in layers}
+    for function, kind in kinds.items():
+        if not callable(function):
+            raise TypeError(f"from_function: layers= takes functions, got {function!r}")
+        if kind not in KINDS:
+            raise HookError(f"from_function: unknown kind {kind!r} for {function!r}; kinds are: {', '.join(KINDS)}")
+    if not kinds:
+        raise HookError("from_function: name the layer functions with layers=[...]")
+    return FunctionModule(params, fn, tuple(kinds.items()))
+

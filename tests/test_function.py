@@ -1,0 +1,268 @@
+"""Pure-function models (zephyr's nets and hand-written JAX) hooked with
+`px.from_function` without changing their code: names from params paths, logs against
+the layer functions called by hand, backward logs against `jax.vjp`, transforms inside
+and around, kinds and summaries, transfer to Equinox, patch scoping and threads."""
+
+import threading
+
+import pytest
+
+zephyr = pytest.importorskip("zephyr")  # the test extra
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zephyr._nets.mlp
+from zephyr.building.tracing import trace
+from zephyr.nets import dropout, layer_norm, linear, mlp, multi_head_self_attention, token_embed
+
+import peex_interop as px
+from peex_interop._adapters._function import from_function, layer_type
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+# -- the seed's autoencoder, as written ----------------------------------------------------
+def encoder(params, x, embed_dim, latent_dim):
+    x = mlp(params["mlp_1"], x, [embed_dim, embed_dim])
+    x = mlp(params["mlp_2"], x, [embed_dim, latent_dim])
+    return x
+
+
+def decoder(params, x, embed_dim, original_dim):
+    x = mlp(params, x, [embed_dim, embed_dim, original_dim])
+    return x
+
+
+def autoencoder(params, x, embed_dim, latent_dim):
+    encoding = encoder(params["encoder"], x, embed_dim, latent_dim)  # noqa: F841 (the seed's)
+    reconstruction = decoder(params["decoder"], x, embed_dim, x.shape[-1])
+    return reconstruction
+
+
+HYPER = (8, 5)
+
+
+@pytest.fixture(scope="module")
+def seed():
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    params = trace(autoencoder, jax.random.key(0), x, *HYPER)
+    return from_function(autoencoder, params, layers=[mlp, linear]), params, x
+
+
+def by_hand(params, x):
+    """Every layer's output, each layer function called by hand."""
+    logs = {}
+    for name, sub, dims in (("encoder.mlp_1", params["encoder"]["mlp_1"], [8, 8]), ("decoder", params["decoder"], [8, 8, 6])):
+        logs[name] = mlp(sub, x, dims)
+        h = x
+        for i, dim in enumerate(dims):
+            logs[f"{name}.{i}"] = h = linear(sub[i], h, dim)
+            h = jax.nn.relu(h) if i < len(dims) - 1 else h
+        if name == "encoder.mlp_1":
+            logs["encoder.mlp_2"] = mlp(params["encoder"]["mlp_2"], logs[name], [8, 5])
+            logs["encoder.mlp_2.0"] = h = linear(params["encoder"]["mlp_2"][0], logs[name], 8)
+            logs["encoder.mlp_2.1"] = linear(params["encoder"]["mlp_2"][1], jax.nn.relu(h), 5)
+    return logs
+
+
+def test_seed_autoencoder_logs_every_mlp_and_linear_under_its_params_path(seed):
+    model, params, x = seed
+    close(model(x, *HYPER), autoencoder(params, x, *HYPER))
+    with jax.checking_leaks():
+        out, log = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.IdentityLog())(x, *HYPER))(model, x)
+    close(out, autoencoder(params, x, *HYPER))
+    expected = by_hand(params, x)
+    assert set(log) == set(expected)
+    jax.tree.map(close, log, expected)
+
+
+def test_backward_logs_equal_vjp_of_the_sub_computation(seed):
+    model, params, x = seed
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where="decoder.*").init(x, *HYPER)
+    with jax.checking_leaks():
+        grads = eqx.filter_jit(eqx.filter_grad(lambda h, x: jnp.sum(h(x, *HYPER) ** 2)))(hooked, x)
+    logs = by_hand(params, x)
+    d = params["decoder"]
+    rest = {
+        "decoder.0": lambda h: linear(d[2], jax.nn.relu(linear(d[1], jax.nn.relu(h), 8)), 6),
+        "decoder.1": lambda h: linear(d[2], jax.nn.relu(h), 6),
+        "decoder.2": lambda h: h,
+    }
+    for path, f in rest.items():
+        out, vjp = jax.vjp(f, logs[path])
+        close(grads.log[path], vjp(2 * out)[0])
+
+
+def test_vmap_around_and_edits(seed):
+    model, params, x = seed
+    with jax.checking_leaks():
+        _, log = jax.vmap(lambda x: px.ForwardHook(model, log_fn=px.IdentityLog(), where="decoder.0")(x, *HYPER))(x)
+    for i in range(x.shape[0]):
+        close(log["decoder.0"][i], linear(params["decoder"][0], x[i], 8))
+    out, _ = px.ForwardHook(model, hook_fn=px.FunctionHook(lambda y: 2 * y), where="decoder.0")(x, *HYPER)
+    # linear, then relu: doubling the output is doubling the weights and bias.
+    doubled = {**params, "decoder": {**params["decoder"], 0: jax.tree.map(lambda a: 2 * a, params["decoder"][0])}}
+    close(out, autoencoder(doubled, x, *HYPER))
+
+
+def test_summary_kinds_stats_and_selection(seed):
+    model, params, x = seed
+    rows = {row.path: row for row in px.summary(model, x, *HYPER).rows}
+    assert (rows["decoder"].module_type, rows["decoder"].kind) == ("mlp", "container")
+    assert (rows["decoder.0"].module_type, rows["decoder.0"].kind) == ("linear", "linear")
+    assert rows["decoder.0"].trainable == 6 * 8 + 8
+    assert px.total_params(model) == (sum(a.size for a in jax.tree.leaves(params)), 0)
+    _, log = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.activation_stats(), where=px.kind("linear"))(x, *HYPER))(model, x)
+    assert set(log) == {p for p in by_hand(params, x) if p.split(".")[-1].isdigit()}
+    close(log["decoder.1"]["mean"], jnp.mean(by_hand(params, x)["decoder.1"]))
+    _, log = px.ForwardHook(model, log_fn=px.MeanLog(), where=lambda path, layer: layer.calls(mlp))(x, *HYPER)
+    assert set(log) == {"encoder.mlp_1", "encoder.mlp_2", "decoder"}
+    _, log = px.ForwardHook(model, log_fn=px.MeanLog(), where=layer_type(mlp))(x, *HYPER)
+    assert set(log) == {"encoder.mlp_1", "encoder.mlp_2", "decoder"}
+    with pytest.raises(px.HookError, match="decoder"):
+        px.ForwardHook(model, where="decodr.*")
+
+
+# -- hand-written models, transforms inside ---------------------------------------------------
+def dense(params, x):
+    return x @ params["w"] + params["b"]
+
+
+def block(params, x):
+    return x + jnp.tanh(dense(params["inner"], x))
+
+
+def stacked(params, x):
+    """A scanned stack of blocks and a vmapped ensemble of heads."""
+    x = dense(params["inp"], x)
+    x, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, params["blocks"])
+    return jax.vmap(lambda p: dense(p, x))(params["heads"]).mean(0)
+
+
+def stacked_params():
+    k = iter(jax.random.split(jax.random.key(0), 8))
+
+    def layer(*shape):
+        return {"w": jax.random.normal(next(k), shape), "b": jax.random.normal(next(k), shape[:-2] + shape[-1:])}
+
+    return {"inp": layer(3, 4), "blocks": {"inner": layer(3, 4, 4)}, "heads": layer(2, 4, 2)}
+
+
+def test_hand_written_model_with_scan_and_vmap_inside():
+    params = stacked_params()
+    model = from_function(stacked, params, layers={dense: "linear", block: "container"})
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    with jax.checking_leaks():
+        out, log = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.IdentityLog())(x))(model, x)
+    close(out, stacked(params, x))
+    assert set(log) == {"inp", "blocks", "blocks.inner", "heads"}
+    h = dense(params["inp"], x)
+    for step in range(3):
+        p = jax.tree.map(lambda a: a[step], params["blocks"])
+        close(log["blocks.inner"][step], dense(p["inner"], h))
+        h = block(p, h)
+        close(log["blocks"][step], h)
+    for member in range(2):
+        close(log["heads"][member], dense(jax.tree.map(lambda a: a[member], params["heads"]), h))
+    # Cotangents inside the scan are per step.
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where="blocks.inner").init(x)
+    grads = eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2))(hooked, x)
+    assert grads.log["blocks.inner"].shape == (3, 5, 4)
+
+
+def zephyr_transformer(params, tokens, key):
+    x = token_embed(params["embed"], tokens, 11, 8)
+    h = layer_norm(params["norm"], x, -1)
+    x = x + multi_head_self_attention(params["attn"], h, 2, implementation="xla")
+    x = dropout(None, key, x, 0.5)
+    return linear(params["head"], x, 3)
+
+
+def test_zephyr_nets_kinds_and_layers_without_params():
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, 11)
+    key = jax.random.key(2)
+    params = trace(zephyr_transformer, jax.random.key(0), tokens, key)
+    model = from_function(zephyr_transformer, params, layers=[token_embed, layer_norm, multi_head_self_attention, linear, dropout])
+    rows = {row.path: row.kind for row in px.summary(model, tokens, key).rows}
+    assert rows == {
+        "embed": "embedding", "norm": "norm", "attn.q_proj": "linear", "attn.k_proj": "linear",
+        "attn.v_proj": "linear", "attn.out_proj": "linear", "attn": "attention",
+        "dropout": "dropout", "head": "linear",
+    }
+    out, log = px.ForwardHook(model, log_fn=px.IdentityLog())(tokens, key)
+    close(out, zephyr_transformer(params, tokens, key))
+    close(log["norm"], layer_norm(params["norm"], token_embed(params["embed"], tokens, 11, 8), -1))
+    close(log["attn.q_proj"], linear(params["attn"]["q_proj"], log["norm"], 8))
+
+
+# -- transfer --------------------------------------------------------------------------------
+def test_transfer_between_a_zephyr_mlp_and_an_equinox_mlp():
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    params = trace(lambda p, x: mlp(p, x, [5, 2]), jax.random.key(0), x)
+    model = from_function(lambda p, x: mlp(p, x, [5, 2]), params, layers=[mlp, linear])
+    eqx_mlp = eqx.nn.MLP(3, 2, 5, 1, activation=jax.nn.relu, key=jax.random.key(3))
+    ported = px.transfer_params(model, eqx_mlp, {"0": "layers.0", "1": "layers.1"})
+    close(jax.vmap(ported)(x), model(x))
+    back = px.transfer_params(ported, from_function(lambda p, x: mlp(p, x, [5, 2]), jax.tree.map(jnp.zeros_like, params), layers=[mlp, linear]), {"layers.0": "0", "layers.1": "1"})
+    jax.tree.map(close, back.params, params)
+    with pytest.raises(px.HookError, match="layers.0"):
+        px.transfer_params(model, eqx.nn.MLP(3, 2, 6, 1, key=jax.random.key(3)), {"0": "layers.0"})
+
+
+# -- errors, scoping, threads ------------------------------------------------------------------
+def test_foreign_params_are_an_error_naming_the_function(seed):
+    model, params, x = seed
+
+    def foreign(p, x):
+        return linear({"weights": jnp.ones((6, 2)), "bias": jnp.zeros(2)}, x, 2)
+
+    with pytest.raises(px.HookError, match="'linear'"):
+        px.ForwardHook(from_function(foreign, params, layers=[linear]), log_fn=px.MeanLog())(x)
+
+
+def test_patches_are_undone_on_every_path_and_threads_are_isolated(seed):
+    model, params, x = seed
+    originals = (zephyr._nets.mlp.linear, zephyr.nets.linear, globals()["mlp"])
+
+    def failing(y):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        px.ForwardHook(model, hook_fn=px.FunctionHook(failing), where="decoder.1")(x, *HYPER)
+    assert (zephyr._nets.mlp.linear, zephyr.nets.linear, globals()["mlp"]) == originals
+
+    seen, errors = [], []
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(y):
+        inside.set()
+        release.wait(10)
+        return y
+
+    def hooked_thread():
+        try:
+            seen.append(px.ForwardHook(model, hook_fn=px.FunctionHook(slow), log_fn=px.MeanLog(), where="decoder.0")(x, *HYPER)[1])
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    def plain_thread():
+        inside.wait(10)
+        # The globals are patched now, and fall through to the originals here.
+        seen.append(zephyr._nets.mlp.linear is not originals[0])
+        seen.append(autoencoder(params, x, *HYPER))
+        release.set()
+
+    threads = [threading.Thread(target=hooked_thread), threading.Thread(target=plain_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    patched, plain, log = seen
+    assert patched and set(log) == {"decoder.0"}
+    close(plain, autoencoder(params, x, *HYPER))
+    assert (zephyr._nets.mlp.linear, zephyr.nets.linear, globals()["mlp"]) == originals
