@@ -10,8 +10,13 @@ methods, `jax.vmap(self.proj)` inside library layers, and layers rebuilt inside 
 from collections.abc import Iterable
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
 from .._engine import _context, _patching
-from .._engine._paths import AbstractTransparent
+from .._engine._layouts import axes, Container, Layout, Param, refuse
+from .._engine._paths import AbstractTransparent, children, join, walk
 
 
 def _hooked_call(original: Any) -> Any:
@@ -29,3 +34,126 @@ def class_patches(types: Iterable[type]) -> list[tuple[type, str, Any]]:
     transparent and run their own context)."""
     layers = [cls for cls in types if not issubclass(cls, AbstractTransparent)]
     return _patching.method_patches(layers, "__call__", _hooked_call)
+
+# -- parameter layouts (px.transfer_params) ------------------------------------------
+# Equinox's facts: `Linear.weight` is (out, in), `Conv.weight` (out, in / groups,
+# *window) with a bias (out, 1, ...), attention projections merge (heads, head_dim)
+# head-major, LSTM gates are stacked (i, f, g, o), BatchNorm statistics live in an
+# `eqx.nn.State`.
+
+_ATTENTION_INPUTS = ("query_proj", "key_proj", "value_proj")
+
+
+def _linear_fields(module: eqx.nn.Linear, parent: Any, field: str | None) -> tuple[str, dict, dict]:
+    if isinstance(parent, eqx.nn.MultiheadAttention) and field in _ATTENTION_INPUTS:
+        heads = axes(("heads", "head_dim"))[0]
+        return "attention_in", {"kernel": ("weight", axes(heads, "in")), "bias": ("bias", axes(heads))}, {"heads": parent.num_heads}
+    if isinstance(parent, eqx.nn.MultiheadAttention) and field == "output_proj":
+        heads = axes(("heads", "head_dim"))[0]
+        return "attention_out", {"kernel": ("weight", axes("out", heads)), "bias": ("bias", axes("out"))}, {"heads": parent.num_heads}
+    return "linear", {"kernel": ("weight", axes("out", "in")), "bias": ("bias", axes("out"))}, {}
+
+
+def _equinox_fields(module: Any, parent: Any, field: str | None, path: str) -> tuple[str, dict, dict, dict, dict]:
+    """(kind, {name: (field, axes)}, sizes, orders, facts) of an Equinox layer."""
+    if isinstance(module, eqx.nn.Linear):
+        return (*_linear_fields(module, parent, field), {}, {})
+    if isinstance(module, eqx.nn.Conv):
+        window = tuple(f"window{i}" for i in range(module.num_spatial_dims))
+        fields = {"kernel": ("weight", axes("out", "in", *window)), "bias": ("bias", axes("out", *[()] * len(window)))}
+        return "conv", fields, {}, {}, {"groups": module.groups}
+    if isinstance(module, eqx.nn.Embedding):
+        return "embedding", {"embedding": ("weight", axes("vocab", "features"))}, {}, {}, {}
+    if isinstance(module, (eqx.nn.LayerNorm, eqx.nn.RMSNorm)) and len(module.shape) == 1:
+        return "norm", {"scale": ("weight", axes("features")), "offset": ("bias", axes("features"))}, {}, {}, {}
+    if isinstance(module, eqx.nn.GroupNorm):
+        fields = {"scale": ("weight", axes("features")), "offset": ("bias", axes("features"))}
+        return "norm", fields, {}, {}, {"groups": module.groups}
+    if isinstance(module, eqx.nn.BatchNorm):
+        fields = {"scale": ("weight", axes("features")), "offset": ("bias", axes("features"))}
+        return "batch_norm", {**fields, "mean": (None, axes("features")), "var": (None, axes("features"))}, {}, {}, {}
+    if isinstance(module, eqx.nn.LSTMCell):
+        gates = {"gate": ("i", "f", "g", "o")}
+        fields = {
+            "input_kernel": ("weight_ih", axes(("gate", "hidden"), "in")),
+            "hidden_kernel": ("weight_hh", axes(("gate", "hidden"), "recurrent")),
+            "bias": ("bias", axes(("gate", "hidden"))),
+        }
+        return "lstm", fields, {}, gates, {}
+    raise refuse(path, f"no known parameter layout for {type(module).__name__}")
+
+
+def _batch_norm_stats(module: eqx.nn.BatchNorm, state: eqx.nn.State) -> tuple[Any, Any]:
+    if module.mode == "ema":
+        return state.get(module.ema_state_index)
+    # mode="batch" keeps zero-debiased hidden averages.
+    counter = state.get(module.batch_counter)
+    scale = jnp.where(counter == 0, 1, 1 - module.momentum**counter)
+    hidden_mean, hidden_var = state.get(module.batch_state_index)
+    return hidden_mean / scale, hidden_var / scale
+
+
+def _with_batch_norm_stats(module: eqx.nn.BatchNorm, state: eqx.nn.State, mean: Any, var: Any) -> eqx.nn.State:
+    # `State.set` invalidates the State it is called on: set on a copy, never on the
+    # caller's.
+    state = jax.tree.map(lambda x: x, state)
+    if module.mode == "ema":
+        # Not "first time" any more: training must update these, not replace them.
+        state = state.set(module.ema_first_time_index, jnp.array(False))
+        return state.set(module.ema_state_index, (mean, var))
+    counter = state.get(module.batch_counter)
+    scale = jnp.where(counter == 0, 1, 1 - module.momentum**counter)
+    return state.set(module.batch_state_index, (mean * scale, var * scale))
+
+
+def _parts(module: eqx.Module) -> tuple[str, ...]:
+    # The layers under a container that hold parameters (the container holds none).
+    return tuple(
+        join(*key_path) for key_path, node in walk(module)
+        if key_path and isinstance(node, eqx.Module) and _holds_arrays(node)
+    )
+
+
+def _holds_arrays(node: eqx.Module) -> bool:
+    return any(eqx.is_array(leaf) for _, leaf in children(node))
+
+
+def _holds_arrays_below(node: eqx.Module) -> bool:
+    return any(isinstance(child, eqx.Module) and eqx.is_array(leaf)
+               for _, child in children(node) for leaf in jax.tree.leaves(child))
+
+
+def equinox_layout(module: Any, path: str, parent: Any = None, field: str | None = None, state: Any = None) -> Layout | Container:
+    """The parameters of an Equinox layer in named axes (`_engine/_layouts.py`); a
+    container (no arrays of its own, e.g. `MultiheadAttention`, `Sequential`) lists its
+    parameterised parts.
+
+    **Arguments:**
+
+    - `module`: the layer; `parent` and `field`: the module holding it and the field
+        it sits in (an attention projection is read as one).
+    - `path`: its path, for errors.
+    - `state`: the `eqx.nn.State` holding BatchNorm statistics, if any.
+    """
+    if not _holds_arrays(module) and _holds_arrays_below(module):
+        return Container(_parts(module))
+    kind, fields, sizes, orders, facts = _equinox_fields(module, parent, field, path)
+    params = {name: Param(None if attr is None else getattr(module, attr), ax) for name, (attr, ax) in fields.items()}
+    if kind == "batch_norm":
+        if state is None:
+            raise refuse(path, "its running statistics are in an eqx.nn.State: hold the State in the model or pass it to transfer_params")
+        mean, var = _batch_norm_stats(module, state)
+        params["mean"], params["var"] = Param(mean, params["mean"].axes), Param(var, params["var"].axes)
+    return Layout(kind, params, sizes, orders, facts)
+
+
+def equinox_write(module: Any, path: str, values: dict[str, Any], parent: Any = None, field: str | None = None, state: Any = None) -> tuple[Any, Any]:
+    """`(module, state)` with `values` (from `_layouts.fit`) in the layer's fields and,
+    for BatchNorm, its statistics in `state`."""
+    _, fields, _, _, _ = _equinox_fields(module, parent, field, path)
+    present = [(fields[name][0], value) for name, value in values.items() if fields[name][0] is not None]
+    if "mean" in values:
+        state = _with_batch_norm_stats(module, state, values["mean"], values["var"])
+    if present:
+        module = eqx.tree_at(lambda m: [getattr(m, f) for f, _ in present], module, [v for _, v in present])
+    return module, state

@@ -13,17 +13,14 @@ from typing import Any
 import equinox as eqx
 import haiku as hk
 import jax
+import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._engine import _context
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._paths import AbstractConverted
-from .._migration._transfer import canonical_params, fitted_params
-
-# Haiku parameter names -> px.transfer_params' canonical names (Haiku's `w` is already
-# (in, out) / (*window, in, out)).
-_CANONICAL = {"w": "kernel", "b": "bias", "scale": "scale", "offset": "offset", "embeddings": "embedding"}
+from .._engine._layouts import axes, Container, Layout, Param, refuse
 
 HAIKU_KINDS: dict[type, str] = {
     hk.Linear: "linear",
@@ -123,6 +120,18 @@ class HaikuFunction(_AbstractHaiku):
             "on its params, or convert the model with px.from_haiku"
         )
 
+    def read_layer(self, local: tuple[str, ...], modules: dict | None = None) -> Layout:
+        raise TypeError(_NO_PARAMS.format("read"))
+
+    def write_layer(self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None) -> "HaikuFunction":
+        raise TypeError(_NO_PARAMS.format("write"))
+
+
+_NO_PARAMS = (
+    "a HaikuFunction's parameters live in the enclosing hk.transform: px.transfer_params "
+    "cannot {} them; convert the model with px.from_haiku"
+)
+
 
 def haiku_function(fn: Callable, *, methods: Sequence[str] = ("__call__",)) -> HaikuFunction:
     """Make `fn` hookable inside your own `hk.transform`ed function.
@@ -185,23 +194,18 @@ class HaikuModule(_AbstractHaiku):
     def parameter_counts(self) -> tuple[int, int]:
         return _size(self.params), _size(self.state)
 
-    def _param_key(self, local: tuple[str, ...]) -> str:
-        for key in self.params:
-            if _params_path(key) == local:
-                return key
-        raise HookError(f"no Haiku module with parameters at {'.'.join(local)!r}")
+    def read_layer(self, local: tuple[str, ...], modules: dict | None = None) -> Layout | Container:
+        """The parameters (and BatchNorm statistics) of the Haiku module at `local` in
+        named axes (`_engine/_layouts.py`); `modules` (local path -> the `hk.Module`
+        seen during a call) tells what params alone do not, e.g. an `hk.LSTM`."""
+        return _haiku_layout(self.params, self.state or {}, local, modules or {})
 
-    def read_layer(self, local: tuple[str, ...]) -> dict[str, Any]:
-        key = self._param_key(local)
-        return canonical_params(".".join(local), dict(self.params[key]), _CANONICAL)
-
-    def write_layer(self, local: tuple[str, ...], params: dict[str, Any]) -> "HaikuModule":
-        key = self._param_key(local)
-        targets = self.read_layer(local)
-        fitted = fitted_params(".".join(local), params, targets)
-        native = {name: fitted[canonical] for name, canonical in _CANONICAL.items() if canonical in fitted}
-        # New dicts all the way down: the user's params are never mutated.
-        return eqx.tree_at(lambda m: m.params, self, {**self.params, key: native})
+    def write_layer(self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None) -> "HaikuModule":
+        """A copy with `values` (from `_layouts.fit`) in the module at `local`: new dicts
+        all the way down, the user's params and state are never mutated."""
+        params, state = _haiku_write(self.params, self.state or {}, local, modules or {}, values)
+        new = eqx.tree_at(lambda m: m.params, self, params)
+        return new.with_state(state) if self.state is not None else new
 
     def haiku_names(self, *args: Any, **kwargs: Any) -> dict[str, str]:
         """Dotted path -> native Haiku module name of every module called with these
@@ -269,3 +273,114 @@ def from_haiku(
         apply_fn=transformed.apply, stateful=stateful, takes_rng=takes_rng,
         methods=_layer_methods(methods),
     )
+
+
+# -- parameter layouts (px.transfer_params) ------------------------------------------
+# Haiku's facts: `w` is (in, out) / (*window, in / groups, out); `hk.MultiHeadAttention`
+# projects with `hk.Linear`s named query/key/value/linear whose outputs merge
+# (heads, head_dim) head-major; `hk.LSTM` is one `linear` on concat(x, h) with gates
+# (i, g, f, o) and 1 added to the forget gate; BatchNorm keeps its statistics in state
+# (`<name>/~/mean_ema`, `var_ema`), shaped like its (1, ..., features) scale.
+# `hk.experimental.layer_stack` puts a stack axis in front of every parameter under
+# its `__layer_stack...` scope.
+
+_ATTENTION = ("query", "key", "value", "linear")
+_LSTM_GATES = ("i", "g", "f", "o")
+
+
+def _param_key(params: dict, local: tuple[str, ...]) -> str | None:
+    return next((key for key in params if _params_path(key) == local), None)
+
+
+def _stacked(key: str) -> int:
+    return sum(segment.startswith("__layer_stack") for segment in haiku_path(key))
+
+
+def _is_attention(params: dict, local: tuple[str, ...], modules: dict) -> bool:
+    if local[:-1] in modules:
+        return isinstance(modules[local[:-1]], hk.MultiHeadAttention)
+    # Without a call, the names tell: Haiku's attention always names its projections so.
+    return bool(local) and local[-1] in _ATTENTION and all(
+        _param_key(params, (*local[:-1], name)) is not None for name in _ATTENTION
+    )
+
+
+def _lstm(params: dict, local: tuple[str, ...]) -> tuple[Layout, str]:
+    key = _param_key(params, (*local, "linear"))
+    w, b = params[key]["w"], params[key].get("b")
+    hidden = w.shape[-1] // 4
+    gates = axes(("gate", "hidden"))[0]
+    layout = Layout("lstm", {
+        "input_kernel": Param(w[..., : w.shape[-2] - hidden, :], axes("in", gates)),
+        "hidden_kernel": Param(w[..., w.shape[-2] - hidden :, :], axes("recurrent", gates)),
+        "bias": Param(b, axes(gates), (("gate", "f", 1.0),)),
+    }, {"hidden": hidden}, {"gate": _LSTM_GATES})
+    return layout, key
+
+
+def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
+    path = ".".join(local)
+    module = modules.get(local)
+    if isinstance(module, hk.LSTM):
+        return _lstm(params, local)[0]
+    if isinstance(module, (hk.GRU, hk.VanillaRNN)):
+        raise refuse(path, f"hk.{type(module).__name__} has no exact counterpart: its gates differ from Equinox's and NNX's cells (hk.GRU applies the reset gate before the recurrent matmul)")
+    if isinstance(module, hk.ConvNDTranspose):
+        raise refuse(path, "conv-transpose kernels are not transferred (the libraries flip and order them differently)")
+    key = _param_key(params, local)
+    if key is None:
+        parts = [".".join(p[len(local):]) for p in map(_params_path, params) if p[: len(local)] == local and len(p) > len(local)]
+        if not parts:
+            raise HookError(f"transfer_params: no Haiku module with parameters at {path!r}")
+        return Container(tuple(parts))
+    values, lead = params[key], _stacked(key)
+    names = set(values)
+    if names <= {"w", "b"} and "w" in names:
+        w, b = values["w"], values.get("b")
+        if w.ndim - lead == 2 and _is_attention(params, local, modules):
+            heads = axes(("heads", "head_dim"))[0]
+            sizes = {"heads": modules[local[:-1]].num_heads} if local[:-1] in modules else {}
+            if local[-1] == "linear":
+                return Layout("attention_out", {"kernel": Param(w, axes(heads, "out")), "bias": Param(b, axes("out"))}, sizes)
+            return Layout("attention_in", {"kernel": Param(w, axes("in", heads)), "bias": Param(b, axes(heads))}, sizes)
+        if w.ndim - lead == 2:
+            return Layout("linear", {"kernel": Param(w, axes("in", "out")), "bias": Param(b, axes("out"))})
+        if module is None and "transpose" in key:
+            raise refuse(path, "conv-transpose kernels are not transferred (the libraries flip and order them differently)")
+        window = tuple(f"window{i}" for i in range(w.ndim - lead - 2))
+        facts = {"groups": module.feature_group_count} if isinstance(module, hk.ConvND) else {}
+        return Layout("conv", {"kernel": Param(w, axes(*window, "in", "out")), "bias": Param(b, axes("out"))}, facts=facts)
+    if names == {"embeddings"}:
+        return Layout("embedding", {"embedding": Param(values["embeddings"], axes("vocab", "features"))})
+    if names <= {"scale", "offset"}:
+        some = next(iter(values.values()))
+        feature = axes(*[()] * (some.ndim - lead - 1), "features")
+        norm = {"scale": Param(values.get("scale"), feature), "offset": Param(values.get("offset"), feature)}
+        facts = {"groups": module.groups} if isinstance(module, hk.GroupNorm) else {}
+        stats = {name: state.get(f"{key}/~/{name}_ema") for name in ("mean", "var")}
+        if all(stats.values()):
+            return Layout("batch_norm", {**norm, **{n: Param(s["average"], feature) for n, s in stats.items()}})
+        return Layout("norm", norm, facts=facts)
+    if names == {"w_i", "w_h", "b"}:
+        raise refuse(path, "hk.GRU has no exact counterpart: it applies the reset gate before the recurrent matmul, Equinox's and NNX's cells after")
+    raise refuse(path, f"no known parameter layout for Haiku parameters {sorted(names)}")
+
+
+_NATIVE = {"kernel": "w", "bias": "b", "embedding": "embeddings", "scale": "scale", "offset": "offset"}
+
+
+def _haiku_write(params: dict, state: dict, local: tuple[str, ...], modules: dict, values: dict) -> tuple[dict, dict]:
+    if isinstance(modules.get(local), hk.LSTM):
+        _, key = _lstm(params, local)
+        kernel = jnp.concatenate([values["input_kernel"], values["hidden_kernel"]], axis=-2)
+        new = {"w": kernel, **({"b": values["bias"]} if "bias" in values else {})}
+        return {**params, key: {**params[key], **new}}, state
+    key = _param_key(params, local)
+    new_state = dict(state)
+    for name in ("mean", "var"):
+        if name in values:
+            ema = f"{key}/~/{name}_ema"
+            # Inference reads `average`; `hidden` restarts the moving average from it.
+            new_state[ema] = {**state[ema], "average": values[name], "hidden": values[name]}
+    native = {_NATIVE[name]: value for name, value in values.items() if name in _NATIVE}
+    return {**params, key: {**params[key], **native}}, new_state

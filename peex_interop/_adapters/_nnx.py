@@ -32,7 +32,7 @@ from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._paths import AbstractConverted
-from .._migration._transfer import canonical_params, fitted_params
+from .._engine._layouts import axes, Container, Layout, Param, refuse
 
 Path = tuple[str, ...]
 
@@ -57,11 +57,6 @@ NNX_KINDS: dict[type, str] = {
     nnx.List: "container",
 }
 
-
-# NNX parameter attributes -> px.transfer_params' canonical names (NNX kernels are
-# already (in, out) / (*window, in, out)).
-_LAYER_NAMES = {"kernel": "kernel", "bias": "bias", "embedding": "embedding"}
-_NORM_NAMES = {"scale": "scale", "bias": "offset"}
 
 
 class NnxModule(AbstractConverted):
@@ -125,26 +120,16 @@ class NnxModule(AbstractConverted):
         """The library-independent kind (`px.KINDS`) of an NNX submodule."""
         return kind_of(module, NNX_KINDS)
 
-    def _layer(self, module: nnx.Module, local: Path) -> tuple[nnx.Module, dict[str, str]]:
-        layer = dict(_paths(module)).get(local)
-        if layer is None:
-            raise HookError(f"no NNX submodule at {'.'.join(local)!r}")
-        # NNX names a norm's shift `bias`, like a linear layer's.
-        names = _NORM_NAMES if self.layer_kind(layer) == "norm" else _LAYER_NAMES
-        return layer, {attr: name for attr, name in names.items() if getattr(layer, attr, None) is not None}
+    def read_layer(self, local: Path, modules: dict | None = None) -> Layout | Container:
+        """The parameters (and BatchNorm statistics) of the submodule at `local`, in
+        named axes (`_engine/_layouts.py`). NNX modules exist outside calls: `modules`
+        adds nothing."""
+        return _nnx_layout(self._merged(), local)
 
-    def read_layer(self, local: Path) -> dict[str, Any]:
-        layer, names = self._layer(self._merged(), local)
-        values = {attr: getattr(layer, attr).get_value() for attr in names}
-        return canonical_params(".".join(local), values, names)
-
-    def write_layer(self, local: Path, params: dict[str, Any]) -> "NnxModule":
+    def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "NnxModule":
+        """A copy with `values` (from `_layouts.fit`) in the submodule at `local`."""
         module = self._merged()
-        layer, names = self._layer(module, local)
-        targets = {name: getattr(layer, attr).get_value() for attr, name in names.items()}
-        fitted = fitted_params(".".join(local), params, targets)
-        for attr, name in names.items():
-            getattr(layer, attr).set_value(fitted[name])
+        _nnx_write(module, local, values)
         return _convert(module, self.return_state)
 
     def train(self, **attributes: Any) -> "NnxModule":
@@ -360,3 +345,101 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
             yield
         finally:
             calls.remove(call)
+
+# -- parameter layouts (px.transfer_params) ------------------------------------------
+# NNX's facts: kernels are (in, out) / (*window, in / groups, out); attention
+# projections are `LinearGeneral`s with (in, heads, head_dim) and (heads, head_dim, out)
+# kernels; a norm's shift is called `bias`; BatchNorm statistics are `BatchStat`s on
+# the module; an `LSTMCell` holds one `Linear` per gate and side (input projections
+# without bias). A spec maps a parameter to the attributes it is stacked from (one
+# attribute: the value itself) and its named axes.
+
+_ATTENTION_INPUTS = ("query", "key", "value")
+_LSTM_GATES = ("i", "f", "g", "o")
+
+
+def _lstm_attributes(side: str, name: str) -> tuple[str, ...]:
+    # NNX names the forget gate `if_` / `hf` (`if` is a keyword).
+    return tuple(f"{side}{gate}{'_' if side == 'i' and gate == 'f' else ''}.{name}" for gate in "ifgo")
+
+
+def _nnx_spec(layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str) -> tuple[str, dict, dict, dict]:
+    """(kind, {name: (attributes, axes)}, orders, facts) of an NNX layer."""
+    if isinstance(layer, nnx.LinearGeneral) and isinstance(parent, nnx.MultiHeadAttention):
+        if attr in _ATTENTION_INPUTS:
+            return "attention_in", {"kernel": (("kernel",), axes("in", "heads", "head_dim")), "bias": (("bias",), axes("heads", "head_dim"))}, {}, {}
+        if attr == "out":
+            return "attention_out", {"kernel": (("kernel",), axes("heads", "head_dim", "out")), "bias": (("bias",), axes("out"))}, {}, {}
+    if isinstance(layer, nnx.Linear) or (
+        isinstance(layer, nnx.LinearGeneral) and len(layer.in_features) == len(layer.out_features) == 1
+    ):
+        return "linear", {"kernel": (("kernel",), axes("in", "out")), "bias": (("bias",), axes("out"))}, {}, {}
+    if type(layer) is nnx.Conv:
+        window = tuple(f"window{i}" for i in range(len(layer.kernel_size)))
+        spec = {"kernel": (("kernel",), axes(*window, "in", "out")), "bias": (("bias",), axes("out"))}
+        return "conv", spec, {}, {"groups": layer.feature_group_count}
+    if isinstance(layer, nnx.Embed):
+        return "embedding", {"embedding": (("embedding",), axes("vocab", "features"))}, {}, {}
+    norm = {"scale": (("scale",), axes("features")), "offset": (("bias",), axes("features"))}
+    if isinstance(layer, (nnx.LayerNorm, nnx.RMSNorm)):
+        return "norm", norm, {}, {}
+    if isinstance(layer, nnx.GroupNorm):
+        return "norm", norm, {}, {"groups": layer.num_groups}
+    if isinstance(layer, nnx.BatchNorm):
+        stats = {"mean": (("mean",), axes("features")), "var": (("var",), axes("features"))}
+        return "batch_norm", {**norm, **stats}, {}, {}
+    if isinstance(layer, nnx.LSTMCell):
+        spec = {
+            "input_kernel": (_lstm_attributes("i", "kernel"), axes("in", "gate", "hidden")),
+            "hidden_kernel": (_lstm_attributes("h", "kernel"), axes("recurrent", "gate", "hidden")),
+            "bias": (_lstm_attributes("h", "bias"), axes("gate", "hidden")),
+        }
+        return "lstm", spec, {"gate": _LSTM_GATES}, {}
+    raise refuse(path, f"no known parameter layout for {type(layer).__name__}")
+
+
+def _variable(layer: nnx.Module, dotted: str) -> Any:
+    node = layer
+    for name in dotted.split("."):
+        node = getattr(node, name, None)
+    return node
+
+
+def _value(layer: nnx.Module, attributes: tuple[str, ...]) -> Any:
+    variables = [_variable(layer, a) for a in attributes]
+    if any(v is None for v in variables):
+        return None
+    values = [v.get_value() for v in variables]
+    # Several attributes (one per gate) form one parameter along a gate axis.
+    return values[0] if len(values) == 1 else jnp.stack(values, axis=-2)
+
+
+def _find(root: nnx.Module, local: Path) -> tuple[nnx.Module, nnx.Module | None]:
+    modules = dict(_paths(root))
+    layer = modules.get(local)
+    if layer is None:
+        raise HookError(f"transfer_params: no NNX submodule at {'.'.join(local)!r}")
+    return layer, modules.get(local[:-1]) if local else None
+
+
+def _nnx_layout(root: nnx.Module, local: Path) -> Layout | Container:
+    path = ".".join(local)
+    layer, parent = _find(root, local)
+    own = [name for name, value in vars(layer).items() if isinstance(value, nnx.Variable)]
+    if not own and not isinstance(layer, nnx.LSTMCell):
+        parts = [".".join(p) for p, m in _paths(layer) if p and any(isinstance(v, nnx.Param) for v in vars(m).values())]
+        if parts:
+            return Container(tuple(parts))
+    kind, spec, orders, facts = _nnx_spec(layer, parent, local[-1] if local else "", path)
+    params = {name: Param(_value(layer, attributes), ax) for name, (attributes, ax) in spec.items()}
+    return Layout(kind, params, {}, orders, facts)
+
+
+def _nnx_write(root: nnx.Module, local: Path, values: dict[str, Any]) -> None:
+    layer, parent = _find(root, local)
+    _, spec, _, _ = _nnx_spec(layer, parent, local[-1] if local else "", ".".join(local))
+    for name, value in values.items():
+        attributes = spec[name][0]
+        parts = [value] if len(attributes) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(attributes))]
+        for attribute, part in zip(attributes, parts):
+            _variable(layer, attribute).set_value(part)

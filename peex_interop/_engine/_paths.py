@@ -1,5 +1,6 @@
 """Dotted layer paths over pytrees of `eqx.Module`s."""
 
+import abc
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,33 +20,35 @@ class AbstractConverted(eqx.Module):
     nodes but are reached through the library's interceptor at call time. `layers`
     lists them ahead of the call, for `where=` validation and `px.module_paths`."""
 
+    @abc.abstractmethod
     def layers(self) -> dict[tuple[str, ...], Any] | None:
         """Local path -> the library's module (or its type; `None` where unknown), or
         `None` when the layers only come into existence during the call."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, non-trainable) numbers of parameters of the whole model."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def layer_parameter_counts(self, module: Any) -> tuple[int, int]:
         """(trainable, non-trainable) numbers of parameters of one of the library's
         modules, during its call (submodules included)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def layer_kind(self, module: Any) -> str:
         """The library-independent kind (`px.KINDS`) of one of the library's modules."""
-        raise NotImplementedError
 
-    def read_layer(self, local: tuple[str, ...]) -> dict[str, Any]:
-        """The parameters of the layer at `local`, in `px.transfer_params`' canonical
-        layout (`kernel` (in, out) / (*window, in, out), `bias`, `scale`, `offset`,
-        `embedding`)."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def read_layer(self, local: tuple[str, ...], modules: dict | None = None) -> Any:
+        """The parameters of the layer at `local` as a `_layouts.Layout` (named axes),
+        or a `_layouts.Container` for a layer without parameters of its own. `modules`
+        (local path -> the library's module, as seen during a call) is given where the
+        caller ran the model: what the stored parameters alone do not tell."""
 
-    def write_layer(self, local: tuple[str, ...], params: dict[str, Any]) -> "AbstractConverted":
-        """A copy with the layer at `local` holding `params` (canonical layout)."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def write_layer(self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None) -> "AbstractConverted":
+        """A copy with the layer at `local` holding `values`: `_layouts.fit`'s output,
+        already in this layer's own axes."""
 
 
 def join(*parts: str) -> str:

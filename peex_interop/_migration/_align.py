@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import itertools
+import re
 from typing import Any
 
 import equinox as eqx
@@ -15,7 +16,14 @@ from .._hooks._forward import ForwardHook
 from .._hooks._logs import IdentityLog
 from .._diagnostics._summary import summary
 
+_REPEAT = re.compile(r"@\d+\Z")
+
 DEFAULT_KINDS = ("linear", "conv", "attention", "norm", "embedding", "recurrent", "pool")
+
+
+def _layers(keys: Any) -> list[str]:
+    """The layers behind log keys: a repeated call `path@n` is a call of `path`."""
+    return list(dict.fromkeys(_REPEAT.sub("", key) for key in keys))
 
 
 def _first_array(value: Any) -> Any:
@@ -51,7 +59,7 @@ def _sites(model: Any, kinds: tuple[str, ...], args: tuple, kwargs: dict) -> lis
     if not rows:
         return []
     shapes = eqx.filter_eval_shape(
-        lambda m: ForwardHook(m, log_fn=IdentityLog(), layer_names=[r.path for r in rows])(*args, **kwargs)[1],
+        lambda m: ForwardHook(m, log_fn=IdentityLog(), layer_names=_layers(r.path for r in rows))(*args, **kwargs)[1],
         model,
     )
     return [(row.path, (row.kind, _first_array(shapes[row.path]).size)) for row in rows]
@@ -117,6 +125,27 @@ def _difference(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     best = min(float(np.max(np.abs(a - c), initial=0.0)) for c in candidates)
     scale = float(np.max(np.abs(a), initial=0.0))
     return best, best / scale if scale else best
+
+
+def _tree_difference(a: Any, b: Any) -> tuple[float, float, float]:
+    """(max abs, max rel, max of abs / (1 + max |x|)) of one layer's outputs. Libraries
+    return different structures (an LSTM cell `(h, c)` in Equinox, `((c, h), h)` in NNX;
+    an Equinox BatchNorm its state too): each array of the side with fewer arrays is
+    compared with its best-fitting unused array of the same size on the other side."""
+    arrays_a = [np.asarray(x) for x in jax.tree.leaves(a) if hasattr(x, "shape")]
+    arrays_b = [np.asarray(x) for x in jax.tree.leaves(b) if hasattr(x, "shape")]
+    fewer, more = (arrays_a, arrays_b) if len(arrays_a) <= len(arrays_b) else (arrays_b, arrays_a)
+    unused, worst = list(range(len(more))), (0.0, 0.0, 0.0)
+    for x in fewer:
+        scored = [
+            ((*_difference(x, more[i]), i)) for i in unused if more[i].size == x.size
+        ] or [(*_difference(fewer[0], more[0]), 0)]
+        abs_error, rel_error, used = min(scored)
+        if used in unused:
+            unused.remove(used)
+        excess = abs_error / (1 + float(np.max(np.abs(x), initial=0.0)))
+        worst = max(worst, (abs_error, rel_error, excess), key=lambda row: row[2])
+    return worst
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,20 +224,18 @@ def compare(
     """
     alignment = alignment or align(model_a, model_b, *args, **kwargs)
     paths_a, paths_b = list(alignment.mapping), list(alignment.mapping.values())
-    _, log_a = ForwardHook(model_a, log_fn=IdentityLog(), layer_names=paths_a or None)(*args, **kwargs)
-    _, log_b = ForwardHook(model_b, log_fn=IdentityLog(), layer_names=paths_b or None)(*args, **kwargs)
+    _, log_a = ForwardHook(model_a, log_fn=IdentityLog(), layer_names=_layers(paths_a) or None)(*args, **kwargs)
+    _, log_b = ForwardHook(model_b, log_fn=IdentityLog(), layer_names=_layers(paths_b) or None)(*args, **kwargs)
     if cotangents:
-        ct_a = _cotangents(model_a, paths_a, args, kwargs)
-        ct_b = _cotangents(model_b, paths_b, args, kwargs)
+        ct_a = _cotangents(model_a, _layers(paths_a), args, kwargs)
+        ct_b = _cotangents(model_b, _layers(paths_b), args, kwargs)
     rows = []
     for path_a, path_b in alignment.mapping.items():
-        a = np.asarray(_first_array(log_a[path_a]))
-        abs_error, rel_error = _difference(a, np.asarray(_first_array(log_b[path_b])))
+        abs_error, rel_error, excess = _tree_difference(log_a[path_a], log_b[path_b])
         ct_abs = ct_rel = None
-        diverged = abs_error > tolerance * (1 + np.max(np.abs(a), initial=0.0))
+        diverged = excess > tolerance
         if cotangents:
-            ct = np.asarray(_first_array(ct_a[path_a]))
-            ct_abs, ct_rel = _difference(ct, np.asarray(_first_array(ct_b[path_b])))
-            diverged = diverged or ct_abs > tolerance * (1 + np.max(np.abs(ct), initial=0.0))
+            ct_abs, ct_rel, ct_excess = _tree_difference(ct_a[path_a], ct_b[path_b])
+            diverged = diverged or ct_excess > tolerance
         rows.append(ComparisonRow(path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(diverged)))
     return Comparison(tuple(rows), alignment, tolerance)

@@ -1,155 +1,204 @@
-"""Copying weights between aligned layers of different libraries.
+"""Copying weights between aligned layers of different libraries, exactly or not at all.
 
-Every library's layer is read into one canonical layout and written back from it:
-
-- linear: `kernel` (in, out), `bias` (out,)
-- conv: `kernel` (*window, in, out), `bias` (out,)
-- norm: `scale`, `offset` (the normalised features)
-- embedding: `embedding` (vocabulary, features)
-
-(Equinox stores `Linear.weight` as (out, in) and `Conv.weight` as (out, in, *window);
-Haiku `w` and NNX `kernel` are (in, out) / (*window, in, out).)
+Each side's adapter reads its layer as a `Layout` (parameters with named axes; see
+`_engine/_layouts.py`) or a `Container` (no parameters of its own); `_layouts.fit`
+converts the source's parameters into the destination's axes, checking every axis
+by name and size; the destination's adapter writes them. Given example inputs, the
+result is then compared with the source layer by layer, and a disagreement raises an
+error naming the first diverging layer instead of returning a wrong model.
 """
 
+import dataclasses
+import re
 from typing import Any
 
 import equinox as eqx
-import jax.numpy as jnp
+import jax.tree_util as jtu
 
+from .._adapters._equinox import equinox_layout, equinox_write
+from .._engine._context import HookContext, Site
 from .._engine._errors import HookError
+from .._engine._hooking import hooking
+from .._engine._layouts import Container, fit, refuse
 from .._engine._paths import AbstractConverted, join, walk
+from .._engine._selection import Selection
+from ._align import Alignment, compare
 
-_EQUINOX_FIELDS = {
-    eqx.nn.Linear: {"kernel": "weight", "bias": "bias"},
-    eqx.nn.Conv: {"kernel": "weight", "bias": "bias"},
-    eqx.nn.LayerNorm: {"scale": "weight", "offset": "bias"},
-    eqx.nn.BatchNorm: {"scale": "weight", "offset": "bias"},
-    eqx.nn.GroupNorm: {"scale": "weight", "offset": "bias"},
-    eqx.nn.RMSNorm: {"scale": "weight", "offset": "bias"},
-    eqx.nn.Embedding: {"embedding": "weight"},
-}
+_REPEAT = re.compile(r"@\d+\Z")
 
 
-def _fields(module: Any, path: str) -> dict[str, str]:
-    for cls, fields in _EQUINOX_FIELDS.items():
-        if isinstance(module, cls):
-            return fields
-    raise HookError(f"transfer_params cannot map layer {path!r}: no known parameter layout for {type(module).__name__}")
+class _Modules:
+    """A policy that records the module object behind every call site's path."""
+
+    selection = Selection()
+
+    def __init__(self):
+        self.modules: dict[str, Any] = {}
+
+    def run_site(self, context: HookContext, site: Site) -> Any:
+        self.modules.setdefault(site.path, site.module)
+        return site.call(*site.args, **site.kwargs)
 
 
-def _to_canonical(module: Any, name: str, value: Any) -> Any:
-    if name == "kernel" and isinstance(module, eqx.nn.Linear):
-        return value.T
-    if name == "kernel":  # Conv: (out, in, *window) -> (*window, in, out)
-        return jnp.transpose(value, (*range(2, value.ndim), 1, 0))
-    if name == "bias" and isinstance(module, eqx.nn.Conv):
-        return jnp.ravel(value)
-    return value
+def _called_modules(model: Any, inputs: tuple) -> dict[str, Any]:
+    policy = _Modules()
+
+    def run(model, inputs):
+        with hooking(model, policy) as context:
+            return context.root(*inputs)
+
+    eqx.filter_eval_shape(run, model, inputs)
+    return policy.modules
 
 
-def _from_canonical(module: Any, name: str, value: Any) -> Any:
-    if value is None or name != "kernel":
-        return value
-    if isinstance(module, eqx.nn.Linear):
-        return value.T
-    return jnp.transpose(value, (value.ndim - 1, value.ndim - 2, *range(value.ndim - 2)))
+def _states(model: Any) -> list[eqx.nn.State]:
+    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
+    return [leaf for leaf in jtu.tree_leaves(model, is_leaf=is_state) if is_state(leaf)]
 
 
-def canonical_params(path: str, values: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    """A library layer's `{its name: value}` in canonical names (`names` maps them)."""
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise HookError(f"transfer_params cannot map layer {path!r}: unknown parameters {unknown}")
-    return {names[name]: value for name, value in values.items()}
+@dataclasses.dataclass
+class _Side:
+    """One model of a transfer: where its layers are, and the Equinox `State` holding
+    its BatchNorm statistics (given, or held inside the model)."""
+
+    model: Any
+    state: Any
+    modules: dict[str, Any]
+    held: bool = False
+
+    @classmethod
+    def make(cls, model: Any, state: Any, inputs: tuple | None) -> "_Side":
+        held = _states(model)
+        if state is None and len(held) == 1:
+            return cls(model, held[0], {}, True).with_modules(inputs)
+        return cls(model, state, {}).with_modules(inputs)
+
+    def with_modules(self, inputs: tuple | None) -> "_Side":
+        self.modules = _called_modules(self.model, inputs) if inputs is not None else {}
+        return self
+
+    def locate(self, path: str) -> tuple[str, Any, tuple[str, ...], Any, str | None]:
+        """(prefix, node, local, parent, field): the Equinox layer at `path` (local
+        `()`, with the module holding it), or the converted model holding it."""
+        nodes = {join(*key_path): node for key_path, node in walk(self.model) if isinstance(node, eqx.Module)}
+        for prefix, node in nodes.items():
+            if isinstance(node, AbstractConverted) and (not prefix or path.startswith(prefix + ".")):
+                return prefix, node, tuple(path.removeprefix(prefix).lstrip(".").split(".")), None, None
+        if path not in nodes or not path:
+            raise HookError(f"transfer_params: no layer {path!r} in {type(self.model).__name__}")
+        above = [p for p in nodes if p != path and (not p or path.startswith(p + "."))]
+        parent = max(above, key=len) if above else None
+        field = path.removeprefix(parent).lstrip(".").split(".")[0] if parent is not None else None
+        return path, nodes[path], (), nodes.get(parent), field
+
+    def local_modules(self, prefix: str) -> dict[tuple[str, ...], Any]:
+        start = len(prefix) + 1 if prefix else 0
+        return {tuple(p[start:].split(".")): m for p, m in self.modules.items() if p.startswith(prefix)}
+
+    def read(self, path: str) -> Any:
+        prefix, node, local, parent, field = self.locate(path)
+        if local:
+            return node.read_layer(local, self.local_modules(prefix))
+        return equinox_layout(node, path, parent, field, self.state)
+
+    def write(self, path: str, values: dict[str, Any]) -> None:
+        prefix, node, local, parent, field = self.locate(path)
+        if local:
+            new = node.write_layer(local, values, self.local_modules(prefix))
+        else:
+            new, state = equinox_write(node, path, values, parent, field, self.state)
+            if state is not self.state:
+                if self.held:
+                    self.model = eqx.tree_at(lambda m: _states(m)[0], self.model, state)
+                self.state = state
+        if node is self.model:
+            self.model = new
+        else:
+            self.model = eqx.tree_at(
+                lambda m: next(n for p, n in walk(m) if join(*p) == prefix and isinstance(n, eqx.Module)),
+                self.model, new,
+            )
 
 
-def fitted_params(path: str, params: dict[str, Any], targets: dict[str, Any]) -> dict[str, Any]:
-    """Canonical `params` fitted to a library layer's canonical `targets` (a missing
-    parameter on either side is an error naming the layer)."""
-    for name in sorted(set(params) | set(targets)):
-        if params.get(name) is not None and name not in targets:
-            check_and_fit(path, name, params[name], None)
-    return {name: check_and_fit(path, name, params.get(name), target) for name, target in targets.items()}
-
-
-def check_and_fit(path: str, name: str, value: Any, target: Any) -> Any:
-    """`value` in `target`'s shape (equal sizes may differ by broadcast axes, e.g. a
-    bias (out,) vs (out, 1, 1)), or an error naming the layer."""
-    if target is None or value is None:
-        if target is value:
-            return None
-        has, lacks = ("the source", "the destination") if target is None else ("the destination", "the source")
-        raise HookError(f"transfer_params: layer {path!r}: {has} has a {name} and {lacks} has none")
-    if value.size != target.size:
-        raise HookError(
-            f"transfer_params: layer {path!r}: {name} of shape {tuple(value.shape)} does not "
-            f"fit {tuple(target.shape)}"
-        )
-    return jnp.reshape(value, target.shape).astype(target.dtype)
-
-
-def read_equinox(module: Any, path: str) -> dict[str, Any]:
-    fields = _fields(module, path)
-    return {
-        name: None if getattr(module, field) is None else _to_canonical(module, name, getattr(module, field))
-        for name, field in fields.items()
-    }
-
-
-def write_equinox(module: Any, path: str, params: dict[str, Any]) -> Any:
-    fields = _fields(module, path)
-    missing = sorted(set(fields) - set(params))
+def _check_parts(path_src: str, path_dst: str, source: Container, target: Container, mapping: dict[str, str]) -> None:
+    covered_src = {_REPEAT.sub("", p) for p in mapping}
+    covered_dst = {_REPEAT.sub("", p) for p in mapping.values()}
+    missing = [join(path_src, p) for p in source.parts if join(path_src, p) not in covered_src]
+    missing += [join(path_dst, p) for p in target.parts if join(path_dst, p) not in covered_dst]
     if missing:
-        raise HookError(f"transfer_params: layer {path!r} needs {missing}, the source layer has {sorted(params)}")
-    values = [
-        check_and_fit(path, name, _from_canonical(module, name, params[name]), getattr(module, field))
-        for name, field in fields.items()
-    ]
-    present = [(field, value) for (name, field), value in zip(fields.items(), values) if value is not None]
-    return eqx.tree_at(lambda m: [getattr(m, f) for f, _ in present], module, [v for _, v in present])
+        raise refuse(path_dst, f"it holds no parameters of its own; they are in its parts, and the mapping does not cover {missing}")
 
 
-def _locate(model: Any, path: str) -> tuple[str, Any, tuple[str, ...]]:
-    """(prefix, node, local): the Equinox layer at `path` (local = ()), or the converted
-    model holding it (local = its path inside)."""
-    for key_path, node in walk(model):
-        prefix = join(*key_path)
-        if isinstance(node, AbstractConverted):
-            rest = path if not prefix else path.removeprefix(prefix + ".")
-            if rest and rest != path or not prefix:
-                return prefix, node, tuple(rest.split("."))
-        elif isinstance(node, eqx.Module) and prefix == path:
-            return prefix, node, ()
-    raise HookError(f"transfer_params: no layer {path!r} in {type(model).__name__}")
+def transfer_params(
+    src: Any,
+    dst: Any,
+    mapping: dict[str, str],
+    *,
+    inputs: Any = None,
+    verify: bool = True,
+    tolerance: float = 1e-5,
+    src_state: eqx.nn.State | None = None,
+    dst_state: eqx.nn.State | None = None,
+) -> Any:
+    """Copy the weights (and BatchNorm statistics) of aligned layers from one model into
+    another, across libraries, exactly or not at all.
 
-
-def _read(model: Any, path: str) -> dict[str, Any]:
-    _, node, local = _locate(model, path)
-    return node.read_layer(local) if local else read_equinox(node, path)
-
-
-def _write(model: Any, path: str, params: dict[str, Any]) -> Any:
-    prefix, node, local = _locate(model, path)
-    new = node.write_layer(local, params) if local else write_equinox(node, path, params)
-    if node is model:
-        return new
-    return eqx.tree_at(lambda m: next(n for p, n in walk(m) if join(*p) == prefix and isinstance(n, eqx.Module)), model, new)
-
-
-def transfer_params(src: Any, dst: Any, mapping: dict[str, str]) -> Any:
-    """Copy the weights of aligned layers from one model into another, across libraries.
+    Every parameter is converted by its named axes (in, out, heads, head_dim, window,
+    gates, stack), never reshaped by size: a layer whose layout cannot be matched raises
+    an error naming it and the reason. Layers without parameters of their own
+    (attention blocks, Sequential/MLP wrappers) are accepted when the mapping covers
+    their parts, as `px.align`'s mapping does.
 
     **Arguments:**
 
     - `src`: the model to copy from (Equinox, or converted Haiku/NNX).
     - `dst`: the model to copy into (not modified).
-    - `mapping`: `{path in src: path in dst}`, e.g. `px.align(src, dst, x).mapping`.
+    - `mapping`: `{path in src: path in dst}`, e.g. `px.align(src, dst, x).mapping`
+        (`path@n` entries of repeated calls name the same layer as `path`).
+    - `inputs`: example input(s) both models accept (one array, or a tuple of
+        arguments). The models are run abstractly to learn what stored parameters do
+        not tell (a Haiku module's class), and, with `verify`, for real afterwards.
+    - `verify`: with `inputs`, compare the two models layer by layer after the transfer
+        (`px.compare`) and raise an error naming the first layer that diverges.
+    - `tolerance`: as for `px.compare`.
+    - `src_state`, `dst_state`: the `eqx.nn.State`s of Equinox models with BatchNorm,
+        when the models do not hold them as a field.
 
     **Returns:**
 
-    A copy of `dst` holding `src`'s weights in those layers. Layers of unknown layout,
-    or whose shapes do not fit, raise an error naming the layer.
+    A copy of `dst` holding `src`'s weights in those layers; `(dst, dst_state)` when
+    `dst_state` is given.
     """
+    inputs = None if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
+    source = _Side.make(src, src_state, inputs)
+    target = _Side.make(dst, dst_state, inputs)
+    written: dict[str, str] = {}
     for path_src, path_dst in mapping.items():
-        dst = _write(dst, path_dst, _read(src, path_src))
-    return dst
+        path_src, path_dst = _REPEAT.sub("", path_src), _REPEAT.sub("", path_dst)
+        if written.setdefault(path_dst, path_src) != path_src:
+            raise refuse(path_dst, f"the mapping gives it two sources, {written[path_dst]!r} and {path_src!r}")
+        layout_src, layout_dst = source.read(path_src), target.read(path_dst)
+        if isinstance(layout_src, Container) and isinstance(layout_dst, Container):
+            _check_parts(path_src, path_dst, layout_src, layout_dst, mapping)
+        elif isinstance(layout_src, Container) or isinstance(layout_dst, Container):
+            what = lambda layout: "a container" if isinstance(layout, Container) else f"a {layout.kind} layer"  # noqa: E731
+            raise refuse(path_dst, f"the source {path_src!r} is {what(layout_src)}, the destination {what(layout_dst)} "
+                         "(a Haiku module's class is only known from a call: pass inputs=)")
+        else:
+            target.write(path_dst, fit(path_dst, layout_src, layout_dst))
+    if inputs is not None and verify:
+        _verify(src, target.model, mapping, inputs, tolerance)
+    return (target.model, target.state) if dst_state is not None else target.model
+
+
+def _verify(src: Any, dst: Any, mapping: dict[str, str], inputs: tuple, tolerance: float) -> None:
+    comparison = compare(src, dst, *inputs, tolerance=tolerance, alignment=Alignment(dict(mapping), (), (), True))
+    first = comparison.first_divergence
+    if first is not None:
+        raise HookError(
+            f"transfer_params: after the transfer the models differ first at layer "
+            f"{first.path_a!r} -> {first.path_b!r} (max abs difference {first.max_abs:.3g}, "
+            f"tolerance {tolerance:g}) on the example inputs: the ports compute differently "
+            "there (an activation, an epsilon, a layout of the computation), or that layer's "
+            "weights were not in the mapping. Compare with px.compare; verify=False skips this check."
+        )

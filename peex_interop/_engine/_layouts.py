@@ -1,0 +1,221 @@
+"""The library-neutral protocol by which a layer exposes its parameters to
+`px.transfer_params`: where a layout conversion is made exact or refused.
+
+A layer is read as a `Layout`: its kind (`LAYOUT_KINDS`), and each parameter by a
+library-neutral name with its *named axes*. Axes are a tuple of entries, one per array
+axis; an entry is a tuple of atoms, major first, when the library merges several named
+axes into one (Haiku's attention query `w` is `(("in",), ("heads", "head_dim"))`, NNX's
+kernel `(("in",), ("heads",), ("head_dim",))`), and `()` for a broadcast axis of size 1.
+Axes in front of the declared ones are a stack (`hk.experimental.layer_stack`,
+`eqx.filter_vmap`, `nnx.vmap`): they must match exactly and stay in front.
+
+Converting a parameter from one layout to another splits merged entries into atoms,
+permutes the atoms by name and merges them as the destination declares, with every
+atom's size checked equal on both sides. There is no reshape of "anything of equal
+size": what cannot be matched atom by atom raises an error naming the layer.
+
+Each library's adapter declares its own layouts (its facts stay with it); this module
+knows no library.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from ._errors import HookError
+
+Axes = tuple[tuple[str, ...], ...]
+
+# What each kind of layout holds (the atoms of every parameter); documented per library
+# in docs/migrating.md.
+LAYOUT_KINDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "linear": {"kernel": ("in", "out"), "bias": ("out",)},
+    "attention_in": {"kernel": ("in", "heads", "head_dim"), "bias": ("heads", "head_dim")},
+    "attention_out": {"kernel": ("heads", "head_dim", "out"), "bias": ("out",)},
+    "conv": {"kernel": ("window", "in", "out"), "bias": ("out",)},
+    "embedding": {"embedding": ("vocab", "features")},
+    "norm": {"scale": ("features",), "offset": ("features",)},
+    "batch_norm": {"scale": ("features",), "offset": ("features",), "mean": ("features",), "var": ("features",)},
+    "lstm": {"input_kernel": ("in", "gate", "hidden"), "hidden_kernel": ("recurrent", "gate", "hidden"), "bias": ("gate", "hidden")},
+    "gru": {"input_kernel": ("in", "gate", "hidden"), "hidden_kernel": ("recurrent", "gate", "hidden"), "input_bias": ("gate", "hidden"), "hidden_bias": ("gate", "hidden")},
+}
+
+
+def axes(*entries: str | tuple[str, ...]) -> Axes:
+    """`axes("out", ("heads", "head_dim"))` -> `(("out",), ("heads", "head_dim"))`."""
+    return tuple((entry,) if isinstance(entry, str) else tuple(entry) for entry in entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One parameter: its value (`None` where the layer has none, e.g. no bias) and the
+    named axes of the value's trailing dimensions."""
+
+    value: Any
+    axes: Axes
+    # What the library adds to the stored value when it uses it, per atom index (Haiku's
+    # LSTM adds 1 to the forget gate's bias): converted values are compared without it.
+    shift: tuple[tuple[str, str, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A layer's parameters in named axes, as one adapter reads it.
+
+    - `kind`: a key of `LAYOUT_KINDS`.
+    - `params`: library-neutral name -> `Param`.
+    - `sizes`: atom sizes the layer knows from its configuration rather than from an
+        array axis (an Equinox attention projection's `heads`).
+    - `orders`: atom -> the order of its named members, for atoms whose members a
+        library orders its own way (LSTM gates `("i", "f", "g", "o")`).
+    - `facts`: other configuration both sides must share (`groups` of a conv).
+    """
+
+    kind: str
+    params: dict[str, Param]
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    orders: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Container:
+    """A layer with no parameters of its own (an attention block, a Sequential): its
+    parameters are in the layers at `parts` (paths relative to it)."""
+
+    parts: tuple[str, ...]
+
+
+def refuse(path: str, reason: str) -> HookError:
+    return HookError(f"transfer_params cannot map layer {path!r}: {reason}")
+
+
+def _atoms(entries: Axes) -> list[str]:
+    return [atom for entry in entries for atom in entry]
+
+
+def _render(entries: Axes) -> str:
+    return "(" + ", ".join("*".join(entry) if entry else "1" for entry in entries) + ")"
+
+
+def _entry_sizes(shape: tuple[int, ...], entries: Axes) -> list[int]:
+    return list(shape[len(shape) - len(entries):])
+
+
+def _learn_sizes(path: str, name: str, side: str, param: Param, sizes: dict[str, int], known: dict[str, int]) -> None:
+    """Record the size of every atom `param`'s axes determine (entries of one atom, and
+    entries whose other atoms are known); a conflict is an error naming the layer."""
+    shape = tuple(param.value.shape)
+    for entry, size in zip(param.axes, _entry_sizes(shape, param.axes)):
+        if not entry:
+            if size != 1:
+                raise refuse(path, f"{side} {name} has size {size} on an axis declared of size 1")
+            continue
+        unknown = [atom for atom in entry if atom not in known and atom not in sizes]
+        product = math.prod(known.get(atom, sizes.get(atom, 1)) for atom in entry if atom not in unknown)
+        if len(unknown) == 1:
+            if size % product:
+                raise refuse(path, f"{side} {name} axis {'*'.join(entry)} of size {size} does not split by {product}")
+            known[unknown[0]] = size // product
+        elif not unknown and product != size:
+            raise refuse(path, f"{side} {name} axis {'*'.join(entry)} has size {size}, its atoms {product}")
+
+
+def convert(path: str, name: str, source: Layout, target: Layout) -> Any:
+    """The value of `source.params[name]` in `target.params[name]`'s axes, shape and
+    dtype, or an error naming the layer."""
+    src, dst = source.params[name], target.params[name]
+    if sorted(_atoms(src.axes)) != sorted(_atoms(dst.axes)):
+        raise refuse(path, f"{name}: source axes {_render(src.axes)} and destination axes {_render(dst.axes)} do not name the same axes")
+    for side, param in (("source", src), ("destination", dst)):
+        if param.value.ndim < len(param.axes):
+            raise refuse(path, f"{side} {name} of shape {tuple(param.value.shape)} has fewer axes than {_render(param.axes)}")
+    src_stack = tuple(src.value.shape[: src.value.ndim - len(src.axes)])
+    dst_stack = tuple(dst.value.shape[: dst.value.ndim - len(dst.axes)])
+    if src_stack != dst_stack:
+        raise refuse(path, f"{name}: stacked {src_stack} in the source, {dst_stack} in the destination")
+    src_sizes: dict[str, int] = {}
+    dst_sizes: dict[str, int] = {}
+    # Sizes first from what each side states, then from the other side's, so that an
+    # entry merged on both sides (Haiku and Equinox attention) is still checked.
+    _learn_sizes(path, name, "destination", dst, target.sizes, dst_sizes)
+    _learn_sizes(path, name, "source", src, source.sizes, src_sizes)
+    for atom in _atoms(src.axes):
+        a = src_sizes.get(atom, source.sizes.get(atom))
+        b = dst_sizes.get(atom, target.sizes.get(atom))
+        if a is not None and b is not None and a != b:
+            raise refuse(path, f"{name} of shape {tuple(src.value.shape)} {_render(src.axes)} does not fit "
+                         f"{tuple(dst.value.shape)} {_render(dst.axes)}: axis {atom!r} has size {a} in the source, {b} in the destination")
+    merged = {**target.sizes, **dst_sizes, **source.sizes, **src_sizes}
+    _learn_sizes(path, name, "source", src, merged, src_sizes)
+    _learn_sizes(path, name, "destination", dst, merged, dst_sizes)
+    merged = {**merged, **src_sizes, **dst_sizes}
+    missing = [atom for atom in _atoms(src.axes) if atom not in merged]
+    if missing:
+        raise refuse(path, f"{name}: the size of axes {missing} is known to neither side")
+    value = jnp.reshape(src.value, src_stack + tuple(merged[a] for a in _atoms(src.axes)))
+    value = _unshift(value, src, len(src_stack), merged, source.orders, -1)
+    value = _reorder(path, name, value, _atoms(src.axes), len(src_stack), source.orders, target.orders)
+    order = [_atoms(src.axes).index(atom) for atom in _atoms(dst.axes)]
+    value = jnp.transpose(value, (*range(len(src_stack)), *(len(src_stack) + i for i in order)))
+    value = _unshift(value, dst, len(dst_stack), merged, target.orders, +1)
+    value = jnp.reshape(value, dst.value.shape)
+    return value.astype(dst.value.dtype)
+
+
+def _reorder(path: str, name: str, value: Any, atoms: list[str], lead: int, src_orders: dict, dst_orders: dict) -> Any:
+    """Members of ordered atoms (gates) taken in the destination's order."""
+    for position, atom in enumerate(atoms):
+        if atom not in src_orders and atom not in dst_orders:
+            continue
+        src_order, dst_order = src_orders.get(atom), dst_orders.get(atom)
+        if src_order is None or dst_order is None or sorted(src_order) != sorted(dst_order):
+            raise refuse(path, f"{name}: the members of axis {atom!r} are {src_order} in the source, {dst_order} in the destination")
+        value = jnp.take(value, jnp.array([src_order.index(m) for m in dst_order]), axis=lead + position)
+    return value
+
+
+def _unshift(value: Any, param: Param, lead: int, sizes: dict[str, int], orders: dict, sign: int) -> Any:
+    """Remove (`sign=-1`) or restore (`+1`) the constants a library adds to a stored
+    parameter when it uses it. `value` is in atoms, in `param`'s atom order."""
+    atoms = _atoms(param.axes)
+    for atom, member, constant in param.shift:
+        index = [slice(None)] * value.ndim
+        index[lead + atoms.index(atom)] = orders[atom].index(member)
+        value = value.at[tuple(index)].add(sign * -constant)
+    return value
+
+
+def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
+    """`{name: value}` for every parameter of `target`, converted from `source`. A
+    parameter the destination has and the source lacks becomes zeros when that is the
+    same layer (a missing bias is a zero bias); the other way round is an error."""
+    if source.kind != target.kind:
+        raise refuse(path, f"the source is a {source.kind} layer, the destination a {target.kind} layer")
+    for fact in sorted(set(source.facts) & set(target.facts)):
+        if source.facts[fact] != target.facts[fact]:
+            raise refuse(path, f"{fact} is {source.facts[fact]} in the source, {target.facts[fact]} in the destination")
+    values = {}
+    for name in sorted(set(source.params) | set(target.params)):
+        src, dst = source.params.get(name), target.params.get(name)
+        has_src = src is not None and src.value is not None
+        has_dst = dst is not None and dst.value is not None
+        if has_src and not has_dst:
+            raise refuse(path, f"the source has a {name} and the destination has none")
+        if has_dst and not has_src:
+            zero = Param(jnp.zeros_like(dst.value), dst.axes)
+            values[name] = _unshift_zero(path, name, zero, dst, target)
+        elif has_dst:
+            values[name] = convert(path, name, source, target)
+    return values
+
+
+def _unshift_zero(path: str, name: str, zero: Param, dst: Param, target: Layout) -> Any:
+    # A layer without this parameter behaves as one whose used value is 0: what the
+    # destination stores is 0 minus what it adds.
+    if not dst.shift:
+        return zero.value
+    probe = Layout(target.kind, {name: zero}, target.sizes, target.orders)
+    return convert(path, name, probe, Layout(target.kind, {name: dst}, target.sizes, target.orders))

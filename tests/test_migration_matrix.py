@@ -1,0 +1,420 @@
+"""The migration matrix: every layer kind `px.transfer_params` maps, in all six
+directions between Equinox, Haiku and Flax NNX. After `align` + `transfer_params` the
+two models agree layer by layer (1e-5; 1e-4 for recurrent cells over 8 steps), checked
+here independently of the transfer's own verification."""
+
+import equinox as eqx
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import peex_interop as px
+from peex_interop._engine._paths import AbstractConverted
+
+DIRECTIONS = [("equinox", "haiku"), ("haiku", "equinox"), ("equinox", "nnx"), ("nnx", "equinox"), ("haiku", "nnx"), ("nnx", "haiku")]
+
+
+def perturbed(model, seed):
+    """Every float array moved away from its initial value (norm scales of 1, zero
+    offsets and statistics would make a skipped transfer look right); positive shifts
+    keep variances positive."""
+    arrays, rest = eqx.partition(model, eqx.is_inexact_array)
+    leaves, tree = jax.tree.flatten(arrays)
+    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+    leaves = [x * jax.random.uniform(k, x.shape, minval=0.7, maxval=1.3) + jax.random.uniform(jax.random.fold_in(k, 1), x.shape, maxval=0.3) for x, k in zip(leaves, keys)]
+    return eqx.combine(jax.tree.unflatten(tree, leaves), rest)
+
+
+def haiku(fn, x, *, stateful=False, **init_kwargs):
+    transformed = hk.transform_with_state(fn) if stateful else hk.transform(fn)
+    transformed = hk.without_apply_rng(transformed)
+    if stateful:
+        params, state = transformed.init(jax.random.key(7), x, **init_kwargs)
+        return px.from_haiku(transformed, params, state)
+    return px.from_haiku(transformed, transformed.init(jax.random.key(7), x))
+
+
+def output(model, x):
+    out = model(x)
+    return out[0] if isinstance(model, px.HaikuModule) and model.stateful else out
+
+
+# -- one small network per kind, written natively in each library ---------------------
+
+
+class EqxBatched(eqx.Module):
+    """Equinox layers see one example: vmap over the batch (and channels first)."""
+
+    layer: eqx.Module
+    channels_first: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, x):
+        def one(x):
+            if self.channels_first:
+                return jnp.moveaxis(self.layer(jnp.moveaxis(x, -1, 0)), 0, -1)
+            return self.layer(x)
+        return jax.vmap(one)(x)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Linear(4, 6, rngs=rngs)
+        self.second = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.second(jax.nn.relu(self.first(x)))
+
+
+def mlp():
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+    return x, {
+        "equinox": EqxBatched(eqx.nn.MLP(4, 3, 6, depth=1, activation=jax.nn.relu, key=jax.random.key(1))),
+        "haiku": haiku(lambda x: hk.nets.MLP([6, 3])(x), x),
+        "nnx": px.from_nnx(NnxMLP(nnx.Rngs(2))),
+    }
+
+
+class NnxOne(nnx.Module):
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x):
+        return self.layer(x)
+
+
+def conv(dims):
+    def build():
+        shape = (2,) + (5,) * dims + (4,)
+        x = jax.random.normal(jax.random.key(0), shape)
+        window = (3,) * dims
+        return x, {
+            "equinox": EqxBatched(eqx.nn.Conv(dims, 4, 6, 3, padding=1, groups=2, key=jax.random.key(1)), channels_first=True),
+            "haiku": haiku(lambda x: hk.ConvND(dims, 6, 3, feature_group_count=2, name="conv")(x), x),
+            "nnx": px.from_nnx(NnxOne(nnx.Conv(4, 6, window, feature_group_count=2, rngs=nnx.Rngs(2)))),
+        }
+    return build
+
+
+class EqxEmbedNorm(eqx.Module):
+    embed: eqx.nn.Embedding
+    norm: eqx.Module
+
+    def __call__(self, tokens):
+        return jax.vmap(jax.vmap(lambda t: self.norm(self.embed(t))))(tokens)
+
+
+class NnxEmbedNorm(nnx.Module):
+    def __init__(self, norm, rngs):
+        self.embed = nnx.Embed(11, 6, rngs=rngs)
+        self.norm = norm
+
+    def __call__(self, tokens):
+        return self.norm(self.embed(tokens))
+
+
+def embed_norm(norm):
+    def build():
+        tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, 11)
+        if norm == "layer":
+            hk_norm = lambda: hk.LayerNorm(-1, True, True, name="norm")  # noqa: E731
+            eqx_norm, nnx_norm = eqx.nn.LayerNorm(6), nnx.LayerNorm(6, epsilon=1e-5, rngs=nnx.Rngs(3))
+        else:
+            hk_norm = lambda: hk.RMSNorm(-1, name="norm")  # noqa: E731
+            eqx_norm, nnx_norm = eqx.nn.RMSNorm(6, use_bias=False), nnx.RMSNorm(6, epsilon=1e-5, rngs=nnx.Rngs(3))
+        return tokens, {
+            "equinox": EqxEmbedNorm(eqx.nn.Embedding(11, 6, key=jax.random.key(1)), eqx_norm),
+            "haiku": haiku(lambda t: hk_norm()(hk.Embed(11, 6, name="embed")(t)), tokens),
+            "nnx": px.from_nnx(NnxEmbedNorm(nnx_norm, nnx.Rngs(2))),
+        }
+    return build
+
+
+class EqxBatchNorm(eqx.Module):
+    """Equinox BatchNorm in inference mode, its State held in the model."""
+
+    linear: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    state: eqx.nn.State
+
+    def __call__(self, x):
+        h = jax.vmap(self.linear)(x)
+        return jax.vmap(lambda h: self.bn(h, self.state)[0])(h)
+
+
+class NnxBatchNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 5, rngs=rngs)
+        self.bn = nnx.BatchNorm(5, use_running_average=True, epsilon=1e-5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.linear(x))
+
+
+def batch_norm():
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+
+    def haiku_fn(x, is_training=False):
+        return hk.BatchNorm(True, True, 0.9, name="bn")(hk.Linear(5, name="linear")(x), is_training=is_training)
+
+    linear = eqx.nn.Linear(4, 5, key=jax.random.key(1))
+    bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(5, "batch", mode="ema", inference=True)
+    return x, {
+        "equinox": EqxBatchNorm(linear, bn, state),
+        "haiku": haiku(haiku_fn, x, stateful=True, is_training=True),
+        "nnx": px.from_nnx(NnxBatchNorm(nnx.Rngs(2))),
+    }
+
+
+class EqxAttention(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+
+    def __call__(self, x):
+        return jax.vmap(lambda x: self.attn(x, x, x))(x)
+
+
+class NnxAttention(nnx.Module):
+    def __init__(self, bias, rngs):
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, use_bias=bias, decode=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.attn(x)
+
+
+def attention(bias):
+    def build():
+        x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+        flags = dict(use_query_bias=bias, use_key_bias=bias, use_value_bias=bias, use_output_bias=bias)
+        mha = lambda x: hk.MultiHeadAttention(2, 4, w_init=hk.initializers.VarianceScaling(), with_bias=bias, name="mha")(x, x, x)  # noqa: E731
+        return x, {
+            "equinox": EqxAttention(eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1), **flags)),
+            "haiku": haiku(mha, x),
+            "nnx": px.from_nnx(NnxAttention(bias, nnx.Rngs(2))),
+        }
+    return build
+
+
+class EqxStack(eqx.Module):
+    layers: eqx.nn.Linear  # stacked: weight (3, 4, 4)
+
+    def __call__(self, x):
+        def step(x, layer):
+            return jnp.tanh(jax.vmap(layer)(x)), None
+        return jax.lax.scan(step, x, self.layers)[0]
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x))
+
+
+class NnxStack(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.vmap(lambda k: NnxBlock(nnx.Rngs(k)))(jax.random.split(rngs.params(), 3))
+
+    def __call__(self, x):
+        return nnx.scan(lambda x, b: (b(x), None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.blocks)[0]
+
+
+def stack():
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+
+    def haiku_fn(x):
+        return hk.experimental.layer_stack(3)(lambda x: jnp.tanh(hk.Linear(4, name="lin")(x)))(x)
+
+    return x, {
+        "equinox": EqxStack(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(jax.random.split(jax.random.key(1), 3))),
+        "haiku": haiku(haiku_fn, x),
+        "nnx": px.from_nnx(NnxStack(nnx.Rngs(2))),
+    }
+
+
+STEPS = 8
+
+
+class EqxLSTM(eqx.Module):
+    cell: eqx.nn.LSTMCell
+
+    def __call__(self, xs):  # (time, batch, features)
+        h = c = jnp.zeros((xs.shape[1], 5))
+        for x in xs:
+            h, c = jax.vmap(self.cell)(x, (h, c))
+        return h
+
+
+class NnxLSTM(nnx.Module):
+    def __init__(self, rngs):
+        self.cell = nnx.LSTMCell(3, 5, rngs=rngs)
+
+    def __call__(self, xs):
+        carry = (jnp.zeros((xs.shape[1], 5)),) * 2
+        for x in xs:
+            carry, h = self.cell(carry, x)
+        return h
+
+
+def lstm():
+    xs = jax.random.normal(jax.random.key(0), (STEPS, 2, 3))
+
+    def haiku_fn(xs):
+        core = hk.LSTM(5, name="lstm")
+        state = core.initial_state(xs.shape[1])
+        for x in xs:
+            h, state = core(x, state)
+        return h
+
+    return xs, {
+        "equinox": EqxLSTM(eqx.nn.LSTMCell(3, 5, key=jax.random.key(1))),
+        "haiku": haiku(haiku_fn, xs),
+        "nnx": px.from_nnx(NnxLSTM(nnx.Rngs(2))),
+    }
+
+
+KINDS = {
+    "linear": (mlp, 1e-5),
+    "conv1d_groups": (conv(1), 1e-5),
+    "conv2d_groups": (conv(2), 1e-5),
+    "embedding_layer_norm": (embed_norm("layer"), 1e-5),
+    "embedding_rms_norm": (embed_norm("rms"), 1e-5),
+    "batch_norm_statistics": (batch_norm, 1e-5),
+    "attention": (attention(True), 1e-5),
+    "attention_without_bias": (attention(False), 1e-5),
+    "scanned_stack": (stack, 1e-5),
+    "lstm": (lstm, 1e-4),
+}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def kind(request):
+    build, tolerance = KINDS[request.param]
+    x, models = build()
+    return request.param, x, {name: perturbed(model, seed) for seed, (name, model) in enumerate(models.items())}, tolerance
+
+
+@pytest.mark.parametrize("a, b", DIRECTIONS)
+def test_transfer_is_exact_in_every_direction(kind, a, b):
+    name, x, models, tolerance = kind
+    source, destination = models[a], models[b]
+    assert not np.allclose(output(source, x), output(destination, x), atol=1e-3), "the models must differ before"
+    alignment = px.align(source, destination, x)
+    assert alignment.mapping and not alignment.ambiguous
+    port = px.transfer_params(source, destination, alignment.mapping, inputs=x, tolerance=tolerance)
+    # Independently of the transfer's own verification: outputs, and every aligned layer.
+    np.testing.assert_allclose(output(port, x), output(source, x), rtol=tolerance, atol=tolerance)
+    comparison = px.compare(source, port, x, tolerance=tolerance, alignment=alignment)
+    assert comparison.first_divergence is None, str(comparison)
+    assert len(comparison.rows) == len(alignment.mapping)
+
+
+# -- px.compare pinpoints each class of porting bug at its layer ------------------------
+
+
+def first_divergence(a, b, x, **kwargs):
+    row = px.compare(a, b, x, **kwargs).first_divergence
+    return row and (row.path_a, row.path_b)
+
+
+def test_missing_activation_is_pinpointed_and_refused_by_verification():
+    x, models = mlp()
+    linear = eqx.nn.MLP(4, 3, 6, depth=1, activation=lambda h: h, key=jax.random.key(1))
+    no_relu = EqxBatched(linear)
+    mapping = px.align(models["haiku"], no_relu, x).mapping
+    port = px.transfer_params(models["haiku"], no_relu, mapping)
+    assert first_divergence(models["haiku"], port, x) == ("mlp.linear_1", "layer.layers.1")
+    with pytest.raises(px.HookError, match=r"differ first at layer 'mlp.linear_1' -> 'layer.layers.1'"):
+        px.transfer_params(models["haiku"], no_relu, mapping, inputs=x)
+
+
+def test_swapped_gates_are_pinpointed():
+    xs, models = lstm()
+    mapping = px.align(models["haiku"], models["equinox"], xs).mapping
+    port = px.transfer_params(models["haiku"], models["equinox"], mapping, inputs=xs, tolerance=1e-4)
+    assert first_divergence(models["haiku"], port, xs, tolerance=1e-4) is None
+    i, f, g, o = jnp.split(port.cell.weight_ih, 4)
+    swapped = eqx.tree_at(lambda m: m.cell.weight_ih, port, jnp.concatenate([f, i, g, o]))
+    assert first_divergence(models["haiku"], swapped, xs, tolerance=1e-4) == ("lstm", "cell")
+
+
+def test_wrong_head_split_is_pinpointed():
+    x, models = attention(True)()
+    source = perturbed(models["nnx"], 0)
+    port = px.transfer_params(source, models["equinox"], px.align(source, models["equinox"], x).mapping, inputs=x)
+    # The old bug: NNX's (in, heads, head_dim) kernel flattened head-minor.
+    kernel = px.to_nnx(source).attn.query.kernel.get_value()
+    head_minor = jnp.transpose(kernel, (0, 2, 1)).reshape(8, 8).T
+    wrong = eqx.tree_at(lambda m: m.attn.query_proj.weight, port, head_minor)
+    assert first_divergence(source, wrong, x) == ("attn.query", "attn.query_proj")
+
+
+def test_stale_batch_norm_statistics_are_pinpointed():
+    x, models = batch_norm()
+    source = perturbed(models["haiku"], 0)
+    port = px.transfer_params(source, models["equinox"], px.align(source, models["equinox"], x).mapping, inputs=x)
+    assert first_divergence(source, port, x) is None
+    stale = eqx.tree_at(lambda m: m.state, port, models["equinox"].state)
+    assert first_divergence(source, stale, x) == ("bn", "bn")
+
+
+# -- what cannot be mapped exactly is refused, naming the layer and the reason ------------
+
+
+def test_a_different_head_split_is_refused():
+    x, models = attention(True)()
+    four_heads = EqxAttention(eqx.nn.MultiheadAttention(4, 8, use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True, key=jax.random.key(1)))
+    mapping = px.align(models["nnx"], four_heads, x).mapping
+    with pytest.raises(px.HookError, match=r"layer 'attn.query_proj'.*axis 'heads' has size 2 in the source, 4 in the destination"):
+        px.transfer_params(models["nnx"], four_heads, mapping)
+
+
+def test_a_bias_the_destination_lacks_is_refused_and_a_missing_one_is_zero():
+    x, with_bias = attention(True)()
+    _, without = attention(False)()
+    mapping = px.align(with_bias["nnx"], without["equinox"], x).mapping
+    with pytest.raises(px.HookError, match=r"layer 'attn.query_proj'.*source has a bias and the destination has none"):
+        px.transfer_params(with_bias["nnx"], without["equinox"], mapping)
+    port = px.transfer_params(without["equinox"], with_bias["nnx"], px.align(without["equinox"], with_bias["nnx"], x).mapping, inputs=x)
+    assert not np.any(px.to_nnx(port).attn.query.bias.get_value())
+
+
+def test_containers_need_their_parts_in_the_mapping():
+    x, models = attention(True)()
+    with pytest.raises(px.HookError, match=r"layer 'attn'.*does not cover \['mha.query'"):
+        px.transfer_params(models["haiku"], models["equinox"], {"mha": "attn"})
+    with pytest.raises(px.HookError, match=r"layer 'attn.key_proj'.*two sources"):
+        px.transfer_params(models["nnx"], models["equinox"], {"attn.query": "attn.key_proj", "attn.key": "attn.key_proj"})
+
+
+def test_layers_without_an_exact_mapping_are_refused():
+    x = jnp.ones((2, 5, 4))
+    transposed = EqxBatched(eqx.nn.ConvTranspose1d(4, 4, 3, padding=1, key=jax.random.key(0)), channels_first=True)
+    with pytest.raises(px.HookError, match=r"cannot map layer 'layer'.*ConvTranspose1d"):
+        px.transfer_params(transposed, transposed, {"layer": "layer"})
+    gru = haiku(lambda x: hk.GRU(4, name="gru")(x[:, 0], jnp.zeros((2, 4)))[0], x)
+    with pytest.raises(px.HookError, match=r"cannot map layer 'gru'.*reset gate"):
+        px.transfer_params(gru, gru, {"gru": "gru"})
+    bn = eqx.nn.BatchNorm(4, "batch", mode="ema")
+    with pytest.raises(px.HookError, match=r"cannot map layer 'layer'.*eqx.nn.State"):
+        px.transfer_params(EqxBatched(bn), EqxBatched(bn), {"layer": "layer"})
+
+
+def test_haiku_lstm_needs_inputs_to_be_known():
+    xs, models = lstm()
+    with pytest.raises(px.HookError, match=r"layer 'cell'.*container.*pass inputs="):
+        px.transfer_params(models["haiku"], models["equinox"], {"lstm": "cell"})
+
+
+def test_adapters_are_complete_or_cannot_be_built():
+    class Incomplete(AbstractConverted):
+        def layers(self):
+            return {}
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
+    function = px.haiku_function(lambda x: hk.Linear(2)(x))
+    with pytest.raises(TypeError, match="enclosing hk.transform"):
+        function.read_layer(("linear",))
