@@ -34,7 +34,8 @@ class EquinoxCNN(eqx.Module):
             x = jax.nn.relu(self.conv2(x))
             return self.head(jnp.ravel(jnp.transpose(x, (1, 2, 0))))
 
-        return jax.vmap(one)(images)
+        # The axis name lets the per-example histograms share the batch's range.
+        return jax.vmap(one, axis_name="batch")(images)
 
 
 def haiku_cnn(images):
@@ -56,18 +57,19 @@ class NnxCNN(nnx.Module):
 
 
 def equinox_model(images):
-    # Its layers run per example (vmap): pool their statistics over the examples.
-    return EquinoxCNN(jax.random.key(0)), 1
+    # Its layers run per example, under a vmap named "batch": pool their statistics
+    # over the examples.
+    return EquinoxCNN(jax.random.key(0)), "batch"
 
 
 def haiku_model(images):
     transformed = hk.without_apply_rng(hk.transform(haiku_cnn))
-    return px.from_haiku(transformed, transformed.init(jax.random.key(0), images)), 0
+    return px.from_haiku(transformed, transformed.init(jax.random.key(0), images)), None
 
 
 def nnx_model(images):
     # NNX layers, like Haiku's, run on the whole batch: statistics are already pooled.
-    return px.from_nnx(NnxCNN(nnx.Rngs(0))), 0
+    return px.from_nnx(NnxCNN(nnx.Rngs(0))), None
 
 
 MODELS = {"equinox": equinox_model, "haiku": haiku_model, "nnx": nnx_model}
@@ -79,10 +81,12 @@ def data():
     return jnp.asarray(images), jnp.asarray(digits.target)
 
 
-def train(model, example_axes: int, images, labels, steps: int, every: int, out: Path):
-    """The training loop shared by all libraries: hooks and recorder included."""
+def train(model, axis_name: str | None, images, labels, steps: int, every: int, out: Path):
+    """The training loop shared by all libraries: hooks and recorder included.
+    `axis_name` names the vmap over examples of a model whose layers run per example."""
     # Statistics of the conv and linear layers, reduced inside the compiled step.
-    hooked = px.ForwardHook(model, log_fn=px.activation_stats(), where=lambda path, m: "conv" in path or "head" in path)
+    stats = px.activation_stats(axis_name=axis_name)
+    hooked = px.ForwardHook(model, log_fn=stats, where=lambda path, m: "conv" in path or "head" in path)
     optimizer = optax.adam(3e-3)
     opt_state = optimizer.init(eqx.filter(hooked, eqx.is_inexact_array))
     recorder = px.Recorder(every=every, tensorboard_dir=out / "tensorboard")
@@ -92,7 +96,7 @@ def train(model, example_axes: int, images, labels, steps: int, every: int, out:
         def loss(hooked):
             logits, log = hooked(x)
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-            return loss, px.pool_stats(log, example_axes)
+            return loss, px.pool_stats(log, num_axes=0 if axis_name is None else 1)
 
         (value, log), grads = eqx.filter_value_and_grad(loss, has_aux=True)(hooked)
         updates, opt_state = optimizer.update(grads, opt_state)
@@ -119,9 +123,9 @@ def main(argv=None):
     for library, make in MODELS.items():
         out = args.out / library
         out.mkdir(parents=True, exist_ok=True)
-        model, example_axes = make(images[:1])
+        model, axis_name = make(images[:1])
         print(px.summary(model, images[:1]))
-        _, recorder, loss, accuracy = train(model, example_axes, images, labels, args.steps, args.every, out)
+        _, recorder, loss, accuracy = train(model, axis_name, images, labels, args.steps, args.every, out)
         layer = next(path for path in recorder.records[0] if "conv1" in path)
         recorder.plot_layer_stats(layer, out / "layer_stats.png")
         recorder.color_dim(layer, out / "color_dim.png")

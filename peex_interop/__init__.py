@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any as _Any
 from ._diagnostics._recorder import Recorder as Recorder
 from ._diagnostics._stats import (
     AbsMaxLog as AbsMaxLog,
+    Histogram as Histogram,
     HistogramLog as HistogramLog,
     L2NormLog as L2NormLog,
     NearZeroLog as NearZeroLog,
@@ -116,6 +117,7 @@ __all__ = [
     "FunctionLog",
     "HaikuFunction",
     "HaikuModule",
+    "Histogram",
     "HistogramLog",
     "HookError",
     "IdentityHook",

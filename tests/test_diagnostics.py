@@ -5,17 +5,19 @@ import pytest
 pytest.importorskip("haiku")  # skipped where the [haiku] extra is not installed
 pytest.importorskip("flax")  # skipped where the [flax] extra is not installed
 
+import html
 import math
 
 import equinox as eqx
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from flax import nnx
 
 import peex_interop as px
-from models import Deep, transformer, tokens
+from models import Deep, tokens, transformer
 
 
 def activations():
@@ -31,8 +33,6 @@ def activations():
         (px.NearZeroLog(0.5), lambda x: np.mean(x <= 0.5)),
         (px.AbsMaxLog(), lambda x: np.max(np.abs(x))),
         (px.L2NormLog(), lambda x: np.sqrt(np.sum(np.asarray(x, np.float64) ** 2))),
-        (px.HistogramLog(), lambda x: np.histogram(x, bins=40, range=(0, 10))[0]),
-        (px.HistogramLog(7, (-2.0, 3.0)), lambda x: np.histogram(x, bins=7, range=(-2, 3))[0]),
     ],
 )
 def test_statistics_equal_numpy(log, reference):
@@ -42,6 +42,56 @@ def test_statistics_equal_numpy(log, reference):
         np.testing.assert_allclose(got[key], reference(np.asarray(x)), rtol=1e-5)
 
 
+def assert_counts_every_value(histogram, x):
+    assert int(histogram.total) == x.size
+    finite = x[np.isfinite(x)]
+    assert int(histogram.nan) == np.isnan(x).sum()
+    assert int(histogram.below) == np.sum(x < histogram.low) and int(histogram.above) == np.sum(x > histogram.high)
+    value_range = np.float32(histogram.low), np.float32(histogram.high)
+    np.testing.assert_array_equal(histogram.counts, np.histogram(finite, len(histogram.counts), value_range)[0])
+
+
+def test_histogram_range_follows_the_data_and_counts_what_it_cannot_bin():
+    x = np.asarray(activations()["a"]).ravel()
+    x = np.concatenate([x, [np.nan, np.nan, np.inf, -np.inf]]).astype(np.float32)
+    histogram = jax.jit(px.HistogramLog(bins=12))(x)
+    finite = x[np.isfinite(x)]
+    counts, edges = np.histogram(finite, 12)  # numpy's own data range
+    assert (histogram.low, histogram.high) == (finite.min(), finite.max())
+    np.testing.assert_array_equal(histogram.counts, counts)
+    np.testing.assert_array_equal(histogram.edges, edges)
+    assert (int(histogram.below), int(histogram.above), int(histogram.nan)) == (1, 1, 2)
+    assert_counts_every_value(histogram, x)
+    # numpy's conventions for a single value, and no finite value at all.
+    one = jax.jit(px.HistogramLog(bins=4))(jnp.full(5, 2.0))
+    np.testing.assert_array_equal(one.edges, np.histogram(np.full(5, 2.0), 4)[1])
+    assert one.counts.sum() == 5
+    nothing = jax.jit(px.HistogramLog(bins=4))(jnp.full(3, jnp.nan))
+    assert nothing.counts.sum() == 0 and nothing.nan == 3
+
+
+def test_a_histogram_over_a_fixed_range_counts_the_values_outside_it():
+    # A pre-activation layer: about half its values are below fastai's range (0, 10).
+    x = np.asarray(activations()["a"]).ravel() - 1
+    histogram = jax.jit(px.HistogramLog(40, (0.0, 10.0)))(x)
+    np.testing.assert_array_equal(histogram.counts, np.histogram(x, 40, (0, 10))[0])
+    assert int(histogram.below) == np.sum(x < 0) > 0.3 * x.size
+    assert int(histogram.above) == np.sum(x > 10)
+    assert_counts_every_value(histogram, x)
+    with pytest.raises(ValueError, match="low < high"):
+        px.HistogramLog(4, (1.0, 1.0))
+
+
+def test_histogram_edges_in_the_data_range_match_numpy_exactly():
+    x = np.asarray(jax.random.normal(jax.random.key(3), (500,))) * 3
+    edges = np.histogram(x, 40)[1]
+    # Values on the inner edges and their float neighbours, binned as numpy bins them.
+    inner = edges[1:-1]
+    x = np.concatenate([x, inner, np.nextafter(inner, -np.inf), np.nextafter(inner, np.inf)]).astype(np.float32)
+    histogram = jax.jit(px.HistogramLog())(x)
+    np.testing.assert_array_equal(histogram.counts, np.histogram(x, 40)[0])
+
+
 def test_stats_log_combines_and_works_inside_scan_and_vmap():
     model = transformer()
     stats = px.activation_stats()
@@ -49,13 +99,15 @@ def test_stats_log_combines_and_works_inside_scan_and_vmap():
     _, raw = px.ForwardHook(model, log_fn=px.IdentityLog())(tokens())
     assert set(log["blocks.norm1"]) == {"mean", "std", "near_zero", "hist"}
     # norm1 runs per position (vmap) in each scanned layer: one statistic per both.
-    assert log["blocks.norm1"]["hist"].shape == (3, 5, 40)
+    assert log["blocks.norm1"]["hist"].counts.shape == (3, 5, 40)
     for layer in range(3):
         for position in range(5):
             x = np.asarray(raw["blocks.norm1"][layer, position])
             np.testing.assert_allclose(log["blocks.norm1"]["mean"][layer, position], np.mean(x), atol=1e-6)
             np.testing.assert_allclose(log["blocks.norm1"]["std"][layer, position], np.std(x), rtol=1e-5)
-            np.testing.assert_array_equal(log["blocks.norm1"]["hist"][layer, position], np.histogram(x, 40, (0, 10))[0])
+            hist = jtu.tree_map(lambda field: field[layer, position], log["blocks.norm1"]["hist"])
+            np.testing.assert_array_equal(hist.counts, np.histogram(x, 40)[0])
+            np.testing.assert_array_equal(hist.edges, np.histogram(x, 40)[1])
 
 
 def test_backward_statistics():
@@ -215,35 +267,104 @@ def test_recorder_series_match_the_logged_values():
         out = np.asarray(model(jnp.full(3, 0.5 * i)))
         np.testing.assert_allclose(stats["mean"][record], out.mean(), rtol=1e-5)
         np.testing.assert_allclose(stats["near_zero"][record], np.mean(out <= 0.05))
-        np.testing.assert_array_equal(recorder.hist("out")[record], np.histogram(out, 40, (0, 10))[0])
+        np.testing.assert_array_equal(recorder.hist("out").counts[record], np.histogram(out, 40)[0])
     with pytest.raises(KeyError, match="recorded:"):
         recorder.hist("nope")
 
 
-def test_plots_write_png_files(tmp_path):
+def test_plots_write_png_files_and_display_in_notebooks(tmp_path):
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
     recorder, _ = recorded()
-    recorder.plot_layer_stats("layers.0", tmp_path / "stats.png")
-    recorder.color_dim("layers.0", tmp_path / "color.png")
-    for name in ("stats.png", "color.png"):
+    figures = {
+        "stats.png": recorder.plot_layer_stats("layers.0", tmp_path / "stats.png"),
+        "color.png": recorder.color_dim("layers.0", tmp_path / "color.png"),
+    }
+    for name, figure in figures.items():
         data = (tmp_path / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 1000
+        # A Figure that IPython shows as an image, and that pyplot does not hold.
+        assert isinstance(figure, Figure) and figure._repr_png_().startswith(b"\x89PNG")
+    assert plt.get_fignums() == []
+
+
+def test_color_dim_has_value_and_step_axes_a_colorbar_and_shows_what_is_outside():
+    model = Deep(key=jax.random.key(0))
+    recorder = px.Recorder(every=3)
+    hooked = px.ForwardHook(model, log_fn=px.activation_stats(range=(0.0, 1.0)))
+    for i in range(7):
+        recorder.record(i, hooked(jnp.linspace(-1.0, 1.0, 3) * (i + 1))[1])
+    hist = recorder.hist("layers.0")
+    figure = recorder.color_dim("layers.0")
+    image, outside, colorbar = figure.axes
+    assert (image.get_xlabel(), image.get_ylabel()) == ("", "value") and outside.get_xlabel() == "step"
+    assert colorbar.get_ylabel() == "share of values per unit"
+    assert image.get_ylim() == (0.0, 1.0) and image.get_xlim() == (-1.5, 7.5)
+    # One rectangle per non-empty bin, coloured by the share of values per unit of value.
+    cells = image.collections[0]
+    density = hist.counts / hist.total[:, None] / np.diff(hist.edges, axis=1)
+    np.testing.assert_allclose(np.sort(cells.get_array()), np.sort(density[hist.counts > 0]), rtol=1e-6)
+    # The percentage below the range, at every recorded step.
+    lines = {line.get_label(): line for line in outside.get_lines()}
+    np.testing.assert_allclose(lines["below the bins"].get_ydata(), 100 * hist.below / hist.total)
+    np.testing.assert_array_equal(lines["below the bins"].get_xdata(), [0, 3, 6])
+
+
+def test_color_dim_of_unpooled_histograms_says_to_pool_them():
+    recorder = px.Recorder()
+    hooked = jax.vmap(px.ForwardHook(Deep(key=jax.random.key(0)), log_fn=px.activation_stats()))
+    recorder.record(0, hooked(jnp.ones((4, 3)))[1])
+    with pytest.raises(ValueError, match="layer 'layers.0'.*px.pool_stats"):
+        recorder.color_dim("layers.0")
 
 
 def test_tensorboard_events_read_back(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 
     recorder, model = recorded(tmp_path)
-    events = EventAccumulator(str(tmp_path))
+    events = EventAccumulator(str(tmp_path), size_guidance={HISTOGRAMS: 0})
     events.Reload()
     scalars = events.Scalars("out/mean")
     assert [e.step for e in scalars] == [0, 2, 4]
     np.testing.assert_allclose(scalars[1].value, np.mean(model(jnp.full(3, 1.0))), rtol=1e-5)
+    histograms = events.Histograms("out/hist")
+    assert [e.step for e in histograms] == [0, 2, 4]
+    for record, event in enumerate(histograms):
+        value = event.histogram_value
+        counts, edges = np.histogram(np.asarray(model(jnp.full(3, 0.5 * 2 * record))), 40)
+        np.testing.assert_array_equal(value.bucket, counts)
+        np.testing.assert_allclose(value.bucket_limit, edges[1:], rtol=1e-6)
+        assert (value.min, value.max, value.num) == pytest.approx((edges[0], edges[-1], counts.sum()))
+    assert [e.value for e in events.Scalars("out/hist/outside")] == [0.0, 0.0, 0.0]
 
 
-def test_pooled_statistics_equal_statistics_of_the_whole_batch():
+def test_tables_render_as_text_rich_and_html():
+    from rich.console import Console
+
+    model = eqx.nn.MLP(2, 2, 4, depth=1, key=jax.random.key(0))
+    x = jnp.ones(2)
+    broken = eqx.tree_at(lambda m: m.layers[1].bias, model, model.layers[1].bias + 1)
+    recorder, _ = recorded()
+    results = [
+        (px.summary(model, x), ["layers.0", "(4,)", "22 trainable"]),
+        (px.align(model, broken, x), ["layers.1", "matched", "2 layers matched, 0 unmatched"]),
+        (px.compare(model, broken, x), ["layers.1", "<- first divergence", "first divergence at layers.1 -> layers.1"]),
+        (recorder, ["out", "mean", "3 records (steps 0 to 4, every 2)"]),
+    ]
+    for result, expected in results:
+        console = Console(record=True, width=200)
+        console.print(result)
+        for text in (str(result), console.export_text()):
+            assert all(e in text for e in expected), text
+        assert all(html.escape(e) in result._repr_html_() for e in expected)
+@pytest.mark.parametrize("value_range", [None, (-1.0, 1.0)])
+def test_pooled_statistics_equal_statistics_of_the_whole_batch(value_range):
     model = Deep(key=jax.random.key(0))
     xs = jax.random.normal(jax.random.key(1), (16, 3)) * 2
-    _, per_example = jax.vmap(px.ForwardHook(model, log_fn=px.activation_stats()))(xs)
+    # Without an explicit range, the examples share theirs over the vmap's axis name.
+    stats = px.activation_stats(range=value_range, axis_name="batch")
+    _, per_example = jax.vmap(px.ForwardHook(model, log_fn=stats), axis_name="batch")(xs)
     pooled = jax.jit(px.pool_stats)(per_example)
     _, raw = jax.vmap(px.ForwardHook(model, log_fn=px.IdentityLog()))(xs)
     for path, batch in raw.items():
@@ -251,16 +372,34 @@ def test_pooled_statistics_equal_statistics_of_the_whole_batch():
         np.testing.assert_allclose(pooled[path]["mean"], batch.mean(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(pooled[path]["std"], batch.std(), rtol=1e-4)
         np.testing.assert_allclose(pooled[path]["near_zero"], np.mean(batch <= 0.05), rtol=1e-6)
-        np.testing.assert_array_equal(pooled[path]["hist"], np.histogram(batch, 40, (0, 10))[0])
+        hist = pooled[path]["hist"]
+        # numpy's histogram over the shared range, in the data's precision.
+        counts, edges = np.histogram(batch, 40, value_range and np.float32(value_range))
+        np.testing.assert_array_equal(hist.counts, counts)
+        np.testing.assert_array_equal(hist.edges, edges)
+        assert_counts_every_value(hist, batch)
+
+
+def test_pooling_histograms_of_different_ranges_raises():
+    model = Deep(key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (4, 3))
+    _, per_example = jax.vmap(px.ForwardHook(model, log_fn=px.activation_stats()))(xs)
+    with pytest.raises(Exception, match=r"histograms of layer '[\w.]+' have different bins"):
+        jax.block_until_ready(eqx.filter_jit(px.pool_stats)(per_example))
 
 
 @pytest.mark.parametrize("bins, value_range", [(40, (0.0, 10.0)), (7, (-2.0, 3.0)), (3, (0.1, 0.7))])
 def test_histogram_matches_numpy_at_bin_edges(bins, value_range):
-    low, high = value_range
-    edges = np.linspace(low, high, bins + 1, dtype=np.float32)
+    # The range in the data's precision, as the histogram logs it.
+    low, high = np.float32(value_range[0]), np.float32(value_range[1])
+    edges = np.histogram(np.zeros(0, np.float32), bins, (low, high))[1]
+    assert edges.dtype == np.float32
     # Exact edges, their float neighbours, the range's ends and values outside it.
-    values = np.concatenate([edges, np.nextafter(edges, -np.inf), np.nextafter(edges, np.inf), [low - 1, high + 1]]).astype(np.float32)
+    neighbours = [np.nextafter(edges, -np.inf), np.nextafter(edges, np.inf)]
+    values = np.concatenate([edges, *neighbours, [low - 1, high + 1]]).astype(np.float32)
     # XLA flushes subnormals (the neighbours of 0.0) to zero; numpy does not.
     values = values[(values == 0) | (np.abs(values) >= np.finfo(np.float32).tiny)]
     got = jax.jit(px.HistogramLog(bins, value_range))(values)
-    np.testing.assert_array_equal(got, np.histogram(values, bins=bins, range=value_range)[0])
+    np.testing.assert_array_equal(got.edges, edges)
+    np.testing.assert_array_equal(got.counts, np.histogram(values, bins, (low, high))[0])
+    assert (got.below, got.above) == (np.sum(values < low), np.sum(values > high))

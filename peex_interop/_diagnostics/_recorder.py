@@ -12,8 +12,54 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from .._optional import needs
+from ._stats import Histogram
+from ._table import AbstractTabular, Table
 
-class Recorder:
+
+def _is_histogram(value: Any) -> bool:
+    return isinstance(value, Histogram)
+
+
+def _tag(key_path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in key_path)
+
+
+def _outside_share(histogram: Histogram) -> float:
+    return float(histogram.outside) / max(int(histogram.total), 1)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, Histogram):
+        if np.ndim(value.low):
+            return f"{np.shape(value.counts)[:-1]} histograms"
+        return f"[{float(value.low):.3g}, {float(value.high):.3g}], {_outside_share(value):.1%} outside"
+    if np.ndim(value) == 0:
+        return f"{float(value):.4g}"
+    return f"shape {np.shape(value)}"
+
+
+def _write_events(writer: Any, step: int, host: dict[str, Any]) -> None:
+    """Every scalar as a TensorBoard scalar; every histogram of one layer (pooled) as a
+    TensorBoard histogram, with the share of its values outside the bins as a scalar."""
+    for key_path, value in jtu.tree_flatten_with_path(host, is_leaf=_is_histogram)[0]:
+        tag = _tag(key_path)
+        if isinstance(value, Histogram) and np.ndim(value.low) == 0:
+            counts, edges = np.asarray(value.counts), np.asarray(value.edges, np.float64)
+            centres = (edges[1:] + edges[:-1]) / 2
+            # TensorBoard draws the buckets only; its sum and sum of squares are
+            # estimated from the bin centres (the histogram does not keep them).
+            writer.add_histogram_raw(
+                tag, float(value.low), float(value.high), int(counts.sum()),
+                float(counts @ centres), float(counts @ centres**2), edges[1:].tolist(),
+                counts.tolist(), step,
+            )
+            writer.add_scalar(f"{tag}/outside", _outside_share(value), step)
+        elif not isinstance(value, Histogram) and np.ndim(value) == 0:
+            writer.add_scalar(tag, float(value), step)
+
+
+class Recorder(AbstractTabular):
     """Collects logs every `every` steps: `n` steps give `ceil(n / every)` records (steps
     0, every, 2 * every, ...).
 
@@ -26,14 +72,18 @@ class Recorder:
             recorder.record(step, log)
         recorder.plot_layer_stats("layers.0", "layer0.png")
         ```
+
+    In a notebook (or `print`, or rich) a recorder shows as a table of its last record.
     """
 
     def __init__(self, every: int = 1, *, tensorboard_dir: str | Path | None = None, progress: bool = False):
         """**Arguments:**
 
         - `every`: record one step in `every`.
-        - `tensorboard_dir`: if given, also write every scalar of every record as a
-            TensorBoard scalar (`path/statistic`) there (needs `tensorboardX`).
+        - `tensorboard_dir`: if given, also write every record there for TensorBoard
+            (needs `tensorboardX`): every scalar as a scalar (`path/statistic`), every
+            `px.Histogram` of one layer (pooled over the examples) as a histogram with
+            the share of its values outside the bins as a scalar (`path/hist/outside`).
         - `progress`: show a tqdm progress bar in `track` (needs `tqdm`).
         """
         if every < 1:
@@ -44,7 +94,8 @@ class Recorder:
         self.records: list[dict[str, Any]] = []
         self._writer = None
         if tensorboard_dir is not None:
-            from tensorboardX import SummaryWriter
+            with needs("px.Recorder(tensorboard_dir=...)", "tensorboardX"):
+                from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(str(tensorboard_dir))
 
@@ -71,17 +122,15 @@ class Recorder:
         self.steps.append(step)
         self.records.append(host)
         if self._writer is not None:
-            for key_path, value in jtu.tree_flatten_with_path(host)[0]:
-                if np.ndim(value) == 0:
-                    tag = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
-                    self._writer.add_scalar(tag, float(value), step)
+            _write_events(self._writer, step, host)
         return True
 
     def track(self, steps: Iterable[int]) -> Iterator[int]:
         """Iterate over `steps`, with a tqdm progress bar if `progress=True`."""
         if not self.progress:
             return iter(steps)
-        from tqdm.auto import tqdm
+        with needs("px.Recorder(progress=True)", "tqdm"):
+            from tqdm.auto import tqdm
 
         return iter(tqdm(steps))
 
@@ -90,7 +139,7 @@ class Recorder:
         if self._writer is not None:
             self._writer.close()
 
-    def _series(self, path: str, statistic: str) -> np.ndarray:
+    def _series(self, path: str, statistic: str) -> Any:
         if not self.records:
             raise ValueError("nothing recorded yet")
         if path not in self.records[0]:
@@ -101,18 +150,19 @@ class Recorder:
                 f"layer {path!r} has no {statistic!r} statistic: log it with "
                 "px.activation_stats() (or a px.StatsLog with that key)"
             )
-        return np.stack([np.asarray(record[path][statistic]) for record in self.records])
+        return jtu.tree_map(lambda *values: np.stack(values), *(record[path][statistic] for record in self.records))
 
     def layer_stats(self, path: str) -> dict[str, np.ndarray]:
         """`{"mean", "std", "near_zero"}` of layer `path`, one entry per record."""
         return {name: self._series(path, name) for name in ("mean", "std", "near_zero")}
 
-    def hist(self, path: str) -> np.ndarray:
-        """Histogram counts of layer `path`: shape `(records, bins)`."""
+    def hist(self, path: str) -> Histogram:
+        """The histograms of layer `path`: a `px.Histogram` whose fields have one entry
+        per record (`counts` of shape `(records, bins)` once pooled)."""
         return self._series(path, "hist")
 
     def plot_layer_stats(self, path: str, file: str | Path | None = None) -> Any:
-        """Mean, std and near-zero fraction of layer `path` over the records.
+        """Mean, std and near-zero fraction of layer `path` against the step.
 
         **Arguments:**
 
@@ -121,44 +171,55 @@ class Recorder:
 
         **Returns:**
 
-        The matplotlib `Figure`.
+        A matplotlib `Figure`, not registered with pyplot, that displays itself in a
+        notebook.
         """
-        from matplotlib.figure import Figure
+        with needs("px.Recorder.plot_layer_stats", "matplotlib"):
+            from ._plots import plot_layer_stats
 
-        stats = self.layer_stats(path)
-        figure = Figure(figsize=(12, 3))
-        for axis, (name, series) in zip(figure.subplots(1, 3), stats.items()):
-            axis.plot(self.steps, series.reshape(len(self.steps), -1))
-            axis.set_title(f"{path}: {name}")
-            axis.set_xlabel("step")
-        figure.tight_layout()
-        if file is not None:
-            figure.savefig(file)
-        return figure
+        return self._saved(plot_layer_stats(path, self.steps, self.layer_stats(path)), file)
 
     def color_dim(self, path: str, file: str | Path | None = None) -> Any:
-        """fastai's "colorful dimension" plot of layer `path`: the histogram of its
-        activations over the records, as an image (log scale).
+        """fastai's "colorful dimension" plot of layer `path`: its histogram at every
+        recorded step (x: step, y: value, colour: share of the values per unit of value,
+        log scale, with a colorbar). Values outside the bins (an explicit range, NaN) are
+        plotted below it as percentages, when there are any.
 
         **Arguments:**
 
-        - `path`: the layer.
+        - `path`: the layer (its histograms pooled to one per record, see
+            `px.pool_stats`).
         - `file`: if given, the figure is saved there.
 
         **Returns:**
 
-        The matplotlib `Figure`.
+        A matplotlib `Figure`, not registered with pyplot, that displays itself in a
+        notebook.
         """
-        from matplotlib.figure import Figure
+        with needs("px.Recorder.color_dim", "matplotlib"):
+            from ._plots import color_dim
 
-        counts = self.hist(path).reshape(len(self.steps), -1)
-        figure = Figure(figsize=(6, 3))
-        axis = figure.subplots()
-        axis.imshow(np.log1p(counts.T), origin="lower", aspect="auto")
-        axis.set_title(f"{path}: activation histogram over records")
-        axis.set_xlabel("record")
-        axis.set_ylabel("bin")
-        figure.tight_layout()
+        return self._saved(color_dim(path, self.steps, self.hist(path)), file)
+
+    @staticmethod
+    def _saved(figure: Any, file: str | Path | None) -> Any:
         if file is not None:
             figure.savefig(file)
         return figure
+
+    def _table(self) -> Table:
+        if not self.records:
+            return Table(("layer",), (), "nothing recorded yet")
+        last = self.records[-1]
+        # The statistics in the order they were logged (dict.fromkeys keeps it).
+        names = list(dict.fromkeys(name for value in last.values() if isinstance(value, dict) for name in value))
+        rows = tuple(
+            (path, *(_cell(value[name]) if name in value else "" for name in names))
+            if isinstance(value, dict) else (path, _cell(value), *[""] * (len(names) - 1))
+            for path, value in last.items()
+        )
+        caption = (
+            f"{len(self.records)} records (steps {self.steps[0]} to {self.steps[-1]}, every {self.every}); "
+            "last record shown"
+        )
+        return Table(("layer", *names), rows, caption)

@@ -4,12 +4,14 @@ Each log maps every floating-point array leaf of what it receives to a statistic
 works on layers with several outputs; non-float leaves (ints, keys) are not logged.
 """
 
+from collections.abc import Hashable
 from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int
 
 from .._hooks._logs import AbstractLog, MeanLog
 
@@ -37,29 +39,103 @@ class NearZeroLog(AbstractLog):
         return _leafwise(lambda x: jnp.mean(x <= self.threshold), args)
 
 
+class Histogram(eqx.Module):
+    """What `px.HistogramLog` logs for one array: counts in equal bins over `[low, high]`
+    and every value outside them counted, so that
+    `counts.sum() + below + above + nan` is the number of values.
+
+    Logged under `jax.vmap` or `jax.lax.scan`, every field gains the leading axes.
+    """
+
+    counts: Int[Array, "*batch bins"]
+    low: Float[Array, "*batch"]
+    high: Float[Array, "*batch"]
+    below: Int[Array, "*batch"]
+    above: Int[Array, "*batch"]
+    nan: Int[Array, "*batch"]
+
+    @property
+    def outside(self) -> Int[Array, "*batch"]:
+        """The number of values not in the bins: `below + above + nan`."""
+        return self.below + self.above + self.nan
+
+    @property
+    def total(self) -> Int[Array, "*batch"]:
+        """The number of values."""
+        return self.counts.sum(axis=-1) + self.outside
+
+    @property
+    def edges(self) -> Float[Array, "*batch bins+1"]:
+        """The `bins + 1` bin edges, from `low` to `high`."""
+        return _linspace(self.low, self.high, self.counts.shape[-1])
+
+
+def _linspace(low: Any, high: Any, bins: int) -> Any:
+    # numpy.linspace's arithmetic in the range's precision, so that a value on an edge
+    # falls in the bin numpy puts it in. jnp.linspace rounds differently, and XLA would
+    # turn the division into a multiplication by 1 / bins and fuse the multiply-add:
+    # the barriers keep each operation rounded as numpy rounds it.
+    low, high = jnp.asarray(low), jnp.asarray(high)
+    step = (high - low)[..., None] / lax.optimization_barrier(jnp.asarray(bins, low.dtype))
+    edges = lax.optimization_barrier(jnp.arange(bins + 1, dtype=low.dtype) * step) + low[..., None]
+    return edges.at[..., -1].set(high)
+
+
+def _finite_range(x: Any, axis_name: Hashable | None) -> tuple[Any, Any]:
+    finite = jnp.isfinite(x)
+    low = jnp.min(jnp.where(finite, x, jnp.inf))
+    high = jnp.max(jnp.where(finite, x, -jnp.inf))
+    if axis_name is not None:
+        low, high = lax.pmin(low, axis_name), lax.pmax(high, axis_name)
+    # numpy.histogram's conventions: a single value gets a range of width 1 around it;
+    # with no finite value at all (numpy raises) the bins are (0, 1) and stay empty.
+    low, high = jnp.where(low == high, low - 0.5, low), jnp.where(low == high, high + 0.5, high)
+    none = low > high
+    return jnp.where(none, 0, low).astype(x.dtype), jnp.where(none, 1, high).astype(x.dtype)
+
+
 class HistogramLog(AbstractLog):
-    """Counts in `bins` equal bins over `range` (fastai: 40 bins over [0, 10]); values
-    outside the range are not counted, as in `numpy.histogram`."""
+    """Histogram of every float leaf in `bins` equal bins, as `numpy.histogram`, logged
+    as a `px.Histogram`: no value is ever dropped, those outside the bins are counted.
+
+    Without `range`, the bins span the finite values of each call (their min and max,
+    like `numpy.histogram`; `-inf` and `inf` count as below and above). Histograms of
+    different calls then have different bins: `px.pool_stats` adds histograms only when
+    their bins agree, so for per-example layers under `jax.vmap` give the vmap an
+    `axis_name` and pass it here, so that all examples share one range (as
+    `eqx.nn.BatchNorm` shares its statistics), or give an explicit `range`.
+    """
 
     bins: int = eqx.field(static=True, default=40)
-    range: tuple[float, float] = eqx.field(static=True, default=(0.0, 10.0))
+    range: tuple[float, float] | None = eqx.field(static=True, default=None)
+    axis_name: Hashable | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        if self.range is not None and not self.range[0] < self.range[1]:
+            raise ValueError(f"HistogramLog needs range=(low, high) with low < high, got {self.range}")
 
     def __call__(self, args: Any) -> Any:
-        return _leafwise(self._counts, args)
+        return _leafwise(self._histogram, args)
 
-    def _counts(self, x: Any) -> Any:
+    def _histogram(self, x: Any) -> Histogram:
+        # Counts have no gradient; this also keeps pmin/pmax (no differentiation rule)
+        # usable inside a loss that is differentiated.
+        x = jnp.ravel(lax.stop_gradient(x))
+        if self.range is None:
+            low, high = _finite_range(x, self.axis_name)
+        else:
+            low, high = (jnp.asarray(end, x.dtype) for end in self.range)
+        edges = _linspace(low, high, self.bins)
         # jnp.histogram lowers to a binary search plus a scatter-add; computing the bin
         # directly and counting with bincount is ~2x faster on CPU. The two corrections
         # reproduce numpy's handling of values that rounding puts in a neighbour bin.
-        low, high = self.range
-        x = jnp.ravel(x)
-        # The edges numpy.histogram uses (computed in float64, then cast).
-        edges = jnp.asarray(np.linspace(low, high, self.bins + 1).astype(x.dtype))
-        index = jnp.clip(jnp.floor((x - low) * (self.bins / (high - low))).astype(jnp.int32), 0, self.bins - 1)
+        index = jnp.clip(jnp.floor((x - low) / (high - low) * self.bins).astype(jnp.int32), 0, self.bins - 1)
         index = index - (x < edges[index])
         index = index + ((x >= edges[index + 1]) & (index != self.bins - 1))
         inside = (x >= low) & (x <= high)
-        return jnp.bincount(jnp.where(inside, index, self.bins), length=self.bins + 1)[: self.bins]
+        counts = jnp.bincount(jnp.where(inside, index, self.bins), length=self.bins + 1)[: self.bins]
+        below, above, nan = (jnp.sum(mask, dtype=counts.dtype) for mask in (x < low, x > high, jnp.isnan(x)))
+        return Histogram(counts, low, high, below, above, nan)
 
 
 class AbsMaxLog(AbstractLog):
@@ -87,40 +163,68 @@ class StatsLog(AbstractLog):
 
 
 def activation_stats(
-    near_zero: float = 0.05, bins: int = 40, range: tuple[float, float] = (0.0, 10.0)
+    near_zero: float = 0.05,
+    bins: int = 40,
+    range: tuple[float, float] | None = None,
+    axis_name: Hashable | None = None,
 ) -> StatsLog:
     """fastai's `ActivationStats` statistics: mean, std, near-zero fraction, histogram.
 
     **Arguments:**
 
     - `near_zero`: threshold of the near-zero fraction.
-    - `bins`, `range`: the histogram's bins.
+    - `bins`, `range`, `axis_name`: the histogram's, as for `px.HistogramLog` (fastai
+        uses 40 bins over `(0, 10)`, which suits activations after a ReLU; by default the
+        range follows the data).
 
     **Returns:**
 
-    A `StatsLog` with keys `mean`, `std`, `near_zero`, `hist`.
+    A `StatsLog` with keys `mean`, `std`, `near_zero`, `hist` (a `px.Histogram`).
     """
     return StatsLog(
         {
             "mean": MeanLog(),
             "std": StdLog(),
             "near_zero": NearZeroLog(near_zero),
-            "hist": HistogramLog(bins, range),
+            "hist": HistogramLog(bins, range, axis_name),
         }
     )
 
 
-def _pool(name: str, values: dict[str, Any], axes: tuple[int, ...]) -> Any:
+def _is_histogram(value: Any) -> bool:
+    return isinstance(value, Histogram)
+
+
+def _pool_histogram(path: str, histogram: Histogram, axes: tuple[int, ...]) -> Histogram:
+    low, high = jnp.min(histogram.low, axes), jnp.max(histogram.high, axes)
+    differ = jnp.any(histogram.low != jnp.expand_dims(low, axes)) | jnp.any(
+        histogram.high != jnp.expand_dims(high, axes)
+    )
+    counts = eqx.error_if(
+        jnp.sum(histogram.counts, axes),
+        differ,
+        f"px.pool_stats: the histograms of layer {path!r} have different bins (each example's "
+        "range follows its own values), so their counts cannot be added. Give "
+        "px.HistogramLog / px.activation_stats an explicit range=(low, high), or vmap with "
+        "axis_name='batch' and pass axis_name='batch' to it so that all examples share one range.",
+    )
+    below, above, nan = (jnp.sum(field, axes) for field in (histogram.below, histogram.above, histogram.nan))
+    return Histogram(counts, low, high, below, above, nan)
+
+
+def _pool(path: str, name: str, values: dict[str, Any], axes: tuple[int, ...]) -> Any:
     value = values[name]
     if name == "hist":
-        return jnp.sum(value, axis=axes)
+        return jtu.tree_map(lambda h: _pool_histogram(path, h, axes), value, is_leaf=_is_histogram)
     if name == "std":
         # Equal-sized groups: pooled variance = mean(var_i + mean_i**2) - mean**2.
-        mean = values["mean"]
-        second_moment = jnp.mean(value**2 + mean**2, axis=axes)
-        return jnp.sqrt(jnp.maximum(second_moment - jnp.mean(mean, axis=axes) ** 2, 0.0))
+        def pooled_std(std, mean):
+            second_moment = jnp.mean(std**2 + mean**2, axis=axes)
+            return jnp.sqrt(jnp.maximum(second_moment - jnp.mean(mean, axis=axes) ** 2, 0.0))
+
+        return jtu.tree_map(pooled_std, value, values["mean"])
     if name in ("mean", "near_zero"):
-        return jnp.mean(value, axis=axes)
+        return jtu.tree_map(lambda v: jnp.mean(v, axis=axes), value)
     raise ValueError(f"cannot pool statistic {name!r}: pool only px.activation_stats() logs")
 
 
@@ -130,7 +234,10 @@ def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
 
     Layers inside a `jax.vmap` over examples (the usual Equinox style) log one
     statistic per example; pooling inside the compiled step keeps what is returned and
-    recorded independent of the batch size.
+    recorded independent of the batch size. Histograms are added, which is exact only
+    when their bins agree: an explicit range, or one shared over the vmap's
+    `axis_name` (see `px.HistogramLog`); otherwise this raises (at run time, inside
+    jit too) instead of adding counts of different bins.
 
     **Arguments:**
 
@@ -143,6 +250,6 @@ def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
     """
     axes = tuple(range(num_axes))
     return {
-        path: {name: _pool(name, values, axes) for name in values}
+        path: {name: _pool(path, name, values, axes) for name in values}
         for path, values in log.items()
     }

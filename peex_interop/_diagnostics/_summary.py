@@ -12,6 +12,7 @@ from .._engine._context import HookContext, Site
 from .._engine._hooking import hooking
 from .._engine._paths import AbstractConverted
 from .._engine._selection import Selection
+from ._table import AbstractTabular, Table
 
 
 def _counts(tree: Any) -> tuple[int, int]:
@@ -75,47 +76,26 @@ class _SiteFacts:
         return output
 
 
-@dataclasses.dataclass(frozen=True)
-class Summary:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Summary(AbstractTabular):
     """The rows of `px.summary`, in the order the calls *returned* (a container after its
-    children); renders as a table in the terminal (`print`, rich) and in notebooks."""
+    children); shows as a table in the terminal (`print`, rich) and in notebooks."""
 
     model_type: str
     rows: tuple[LayerRow, ...]
     total: tuple[int, int]
 
-    _HEADER = ("path", "type", "kind", "params", "non-trainable", "output shape(s)")
-
-    def _cells(self) -> list[tuple[str, ...]]:
-        return [
-            (r.path, r.module_type, r.kind, f"{r.trainable:,}", f"{r.non_trainable:,}",
-             ", ".join(str(s) for s in r.output_shapes))
-            for r in self.rows
-        ]
-
-    def _footer(self) -> str:
-        return f"{self.model_type}: {self.total[0]:,} trainable parameters, {self.total[1]:,} non-trainable"
-
-    def __str__(self) -> str:
-        cells = [self._HEADER, *self._cells()]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self._HEADER))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
-        return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], self._footer()])
-
-    def __rich__(self) -> Any:
-        from rich.table import Table
-
-        table = Table(*self._HEADER, title=self._footer())
-        for row in self._cells():
-            table.add_row(*row)
-        return table
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in self._HEADER)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in self._cells()
+    def _table(self) -> Table:
+        return Table(
+            ("path", "type", "kind", "params", "non-trainable", "output shape(s)"),
+            tuple(
+                (r.path, r.module_type, r.kind, f"{r.trainable:,}", f"{r.non_trainable:,}",
+                 ", ".join(str(s) for s in r.output_shapes))
+                for r in self.rows
+            ),
+            f"{self.model_type}: {self.total[0]:,} trainable parameters, {self.total[1]:,} non-trainable",
+            numeric=frozenset({3, 4}),
         )
-        return f"<table><caption>{self._footer()}</caption><tr>{head}</tr>{body}</table>"
 
 
 def summary(model: Any, *args: Any, **kwargs: Any) -> Summary:

@@ -15,6 +15,7 @@ from .._hooks._backward import BackwardHook
 from .._hooks._forward import ForwardHook
 from .._hooks._logs import IdentityLog
 from .._diagnostics._summary import summary
+from .._diagnostics._table import AbstractTabular, Table
 
 _REPEAT = re.compile(r"@\d+\Z")
 
@@ -30,25 +31,26 @@ def _first_array(value: Any) -> Any:
     return next(leaf for leaf in jax.tree.leaves(value) if hasattr(leaf, "shape"))
 
 
-@dataclasses.dataclass(frozen=True)
-class Alignment:
-    """`mapping` (path in model a -> path in model b) and what could not be matched."""
+@dataclasses.dataclass(frozen=True, repr=False)
+class Alignment(AbstractTabular):
+    """`mapping` (path in model a -> path in model b) and what could not be matched;
+    shows as a table (`print`, rich, notebooks)."""
 
     mapping: dict[str, str]
     unmatched: tuple[tuple[str, str, str], ...]
     ambiguous: tuple[tuple[str, str, str], ...]
     order_preserved: bool
 
-    def __str__(self) -> str:
-        lines = [f"{len(self.mapping)} layers matched"]
-        lines += [f"  {a} -> {b}" for a, b in self.mapping.items()]
+    def _table(self) -> Table:
+        rows = [(a, b, "matched") for a, b in self.mapping.items()]
         for title, entries in (("unmatched", self.unmatched), ("ambiguous", self.ambiguous)):
-            if entries:
-                lines.append(f"{title}:")
-                lines += [f"  model {side}: {path}: {why}" for side, path, why in entries]
+            for side, path, why in entries:
+                rows.append((path, "", f"{title}: {why}") if side == "a" else ("", path, f"{title}: {why}"))
+        counts = len(self.mapping), len(self.unmatched), len(self.ambiguous)
+        caption = "{} layers matched, {} unmatched, {} ambiguous".format(*counts)
         if not self.order_preserved:
-            lines.append("note: matched layers are called in a different order in model b")
-        return "\n".join(lines)
+            caption += "; matched layers are called in a different order in model b"
+        return Table(("model a", "model b", ""), tuple(rows), caption)
 
 
 def _sites(model: Any, kinds: tuple[str, ...], args: tuple, kwargs: dict) -> list[tuple[str, tuple]]:
@@ -159,9 +161,10 @@ class ComparisonRow:
     diverged: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """Per-layer differences of two implementations, in model a's call order."""
+@dataclasses.dataclass(frozen=True, repr=False)
+class Comparison(AbstractTabular):
+    """Per-layer differences of two implementations, in model a's call order; shows as
+    a table (`print`, rich, notebooks)."""
 
     rows: tuple[ComparisonRow, ...]
     alignment: Alignment
@@ -171,23 +174,21 @@ class Comparison:
     def first_divergence(self) -> ComparisonRow | None:
         return next((row for row in self.rows if row.diverged), None)
 
-    def __str__(self) -> str:
-        header = ("layer (a)", "layer (b)", "max abs", "max rel", "ct max abs", "ct max rel", "")
-        cells = [header] + [
-            (r.path_a, r.path_b, f"{r.max_abs:.2e}", f"{r.max_rel:.2e}",
-             "" if r.cotangent_max_abs is None else f"{r.cotangent_max_abs:.2e}",
-             "" if r.cotangent_max_rel is None else f"{r.cotangent_max_rel:.2e}",
-             "<- first divergence" if r is self.first_divergence else ("diverged" if r.diverged else ""))
-            for r in self.rows
-        ]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-        verdict = (
+    def _table(self) -> Table:
+        return Table(
+            ("layer (a)", "layer (b)", "max abs", "max rel", "ct max abs", "ct max rel", ""),
+            tuple(
+                (r.path_a, r.path_b, f"{r.max_abs:.2e}", f"{r.max_rel:.2e}",
+                 "" if r.cotangent_max_abs is None else f"{r.cotangent_max_abs:.2e}",
+                 "" if r.cotangent_max_rel is None else f"{r.cotangent_max_rel:.2e}",
+                 "<- first divergence" if r is self.first_divergence else ("diverged" if r.diverged else ""))
+                for r in self.rows
+            ),
             f"all {len(self.rows)} layers agree within {self.tolerance:g}"
             if self.first_divergence is None
-            else f"first divergence at {self.first_divergence.path_a} -> {self.first_divergence.path_b}"
+            else f"first divergence at {self.first_divergence.path_a} -> {self.first_divergence.path_b}",
+            numeric=frozenset({2, 3, 4, 5}),
         )
-        return "\n".join(lines + [verdict])
 
 
 def _loss(output: Any) -> Any:
