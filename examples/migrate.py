@@ -1,8 +1,10 @@
-"""Migrating a Haiku CNN+MLP, and its logging, to Flax NNX and to Equinox.
+"""Migrating Haiku models, and their logging, to Flax NNX and to Equinox.
 
-One logging setup (hooks + statistics) is used unchanged on all three; the Haiku weights
-are copied into the ports with `px.transfer_params`; `px.compare` shows every layer equal;
-a deliberately wrong port is pinpointed at the layer where it first diverges.
+A CNN+MLP: one logging setup (hooks + statistics) is used unchanged on all three; the
+Haiku weights are copied into the ports with `px.transfer_params`; `px.compare` shows
+every layer equal; a deliberately wrong port is pinpointed at the layer where it first
+diverges. Then a transformer block with attention followed by an LSTM: the same
+workflow, with `transfer_params(..., inputs=...)` verifying each port layer by layer.
 """
 
 import equinox as eqx
@@ -78,6 +80,83 @@ def with_logging(model, rename=None):
     return px.ForwardHook(model, log_fn=LOG, where=WHERE, rename=rename)
 
 
+# -- a transformer block and an LSTM, in Haiku ---------------------------------------------
+
+WIDTH, HEADS, HIDDEN = 8, 2, 6
+
+
+def haiku_sequence_model(tokens):  # (batch, time, WIDTH)
+    h = hk.LayerNorm(-1, True, True, name="norm")(tokens)
+    x = tokens + hk.MultiHeadAttention(HEADS, WIDTH // HEADS, w_init=hk.initializers.VarianceScaling(), name="attn")(h, h, h)
+    x = x + hk.Linear(WIDTH, name="mlp_out")(jax.nn.gelu(hk.Linear(2 * WIDTH, name="mlp_in")(x)))
+    lstm = hk.LSTM(HIDDEN, name="lstm")
+    state = lstm.initial_state(x.shape[0])
+    for t in range(x.shape[1]):
+        out, state = lstm(x[:, t], state)
+    return hk.Linear(3, name="head")(out)
+
+
+class NnxSequenceModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs)  # Haiku's epsilon
+        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=WIDTH, decode=False, rngs=rngs)
+        self.mlp = nnx.Sequential(nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs), jax.nn.gelu, nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs))
+        self.cell = nnx.LSTMCell(WIDTH, HIDDEN, rngs=rngs)
+        self.head = nnx.Linear(HIDDEN, 3, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = tokens + self.attn(self.norm(tokens))
+        x = x + self.mlp(x)
+        carry = (jnp.zeros((x.shape[0], HIDDEN)),) * 2  # (c, h)
+        for t in range(x.shape[1]):
+            carry, out = self.cell(carry, x[:, t])
+        return self.head(out)
+
+
+class EquinoxSequenceModel(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    mlp: eqx.nn.MLP
+    cell: eqx.nn.LSTMCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        biases = dict(use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True)
+        self.norm = eqx.nn.LayerNorm(WIDTH)
+        self.attn = eqx.nn.MultiheadAttention(HEADS, WIDTH, key=keys[0], **biases)
+        self.mlp = eqx.nn.MLP(WIDTH, WIDTH, 2 * WIDTH, depth=1, activation=jax.nn.gelu, key=keys[1])
+        self.cell = eqx.nn.LSTMCell(WIDTH, HIDDEN, key=keys[2])
+        self.head = eqx.nn.Linear(HIDDEN, 3, key=keys[3])
+
+    def __call__(self, tokens):
+        def block(x):  # one sequence
+            h = jax.vmap(self.norm)(x)
+            x = x + self.attn(h, h, h)
+            return x + jax.vmap(self.mlp)(x)
+
+        x = jax.vmap(block)(tokens)
+        state = (jnp.zeros((x.shape[0], HIDDEN)),) * 2
+        for t in range(x.shape[1]):
+            state = jax.vmap(self.cell)(x[:, t], state)
+        return jax.vmap(self.head)(state[0])
+
+
+def migrate_sequence_model():
+    tokens = jax.random.normal(jax.random.key(4), (2, 5, WIDTH))
+    transformed = hk.without_apply_rng(hk.transform(haiku_sequence_model))
+    original = px.from_haiku(transformed, transformed.init(jax.random.key(5), tokens))
+    ports = {"nnx": px.from_nnx(NnxSequenceModel(nnx.Rngs(6))), "equinox": EquinoxSequenceModel(jax.random.key(7))}
+    comparisons = {}
+    for name, port in ports.items():
+        alignment = px.align(original, port, tokens)
+        # Verified: raises, naming the layer, if any aligned layer disagrees afterwards.
+        port = px.transfer_params(original, port, alignment.mapping, inputs=tokens)
+        comparisons[name] = px.compare(original, port, tokens, alignment=alignment)
+        print(f"== transformer block + LSTM, Haiku -> {name}\n{comparisons[name]}")
+    return comparisons
+
+
 def main():
     images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
     transformed = hk.without_apply_rng(hk.transform(haiku_net))
@@ -101,6 +180,7 @@ def main():
     wrong = px.transfer_params(original, EquinoxNet(jax.random.key(3), forget_relu=True), px.align(original, ports["equinox"], images).mapping)
     comparison = px.compare(original, wrong, images)
     print("== a port that forgot an activation\n" + str(comparison))
+    migrate_sequence_model()
     return comparison
 
 
