@@ -21,7 +21,10 @@ from models import Deep, tokens, transformer
 
 
 def activations():
-    return {"a": jax.random.normal(jax.random.key(0), (7, 5)) * 3 + 1, "b": jnp.abs(jax.random.normal(jax.random.key(1), (9,))) * 4}
+    return {
+        "a": jax.random.normal(jax.random.key(0), (7, 5)) * 3 + 1,
+        "b": jnp.abs(jax.random.normal(jax.random.key(1), (9,))) * 4,
+    }
 
 
 @pytest.mark.parametrize(
@@ -154,7 +157,8 @@ def test_haiku_parameter_counts_match_hand_counts():
     assert trainable == 40 and other == 2 * (20 + 20 + 1)
     assert haiku_counts(lambda x: hk.Conv2D(32, 3)(x), jnp.ones((1, 8, 8, 16))) == (16 * 32 * 9 + 32, 0)
     # Haiku's LSTM has one bias per gate.
-    assert haiku_counts(lambda x: hk.LSTM(20)(x, hk.LSTM(20).initial_state(2))[0], x) == (4 * 20 * (10 + 20) + 4 * 20, 0)
+    lstm = lambda x: hk.LSTM(20)(x, hk.LSTM(20).initial_state(2))[0]
+    assert haiku_counts(lstm, x) == (4 * 20 * (10 + 20) + 4 * 20, 0)
 
 
 def nnx_counts(module):
@@ -175,7 +179,9 @@ def test_nnx_parameter_counts_match_hand_counts():
     cell = nnx.LSTMCell(10, 20, rngs=rngs)
     shapes = {".".join(map(str, path)): v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(cell))}
     assert shapes == {f"{g}.kernel": (10, 20) for g in ("ii", "if_", "ig", "io")} | {
-        f"{g}.{leaf}": shape for g in ("hi", "hf", "hg", "ho") for leaf, shape in (("kernel", (20, 20)), ("bias", (20,)))
+        f"{g}.{leaf}": shape
+        for g in ("hi", "hf", "hg", "ho")
+        for leaf, shape in (("kernel", (20, 20)), ("bias", (20,)))
     }
     assert nnx_counts(cell) == (4 * 20 * (10 + 20) + 4 * 20, 0)
 
@@ -315,7 +321,7 @@ def test_color_dim_of_unpooled_histograms_says_to_pool_them():
     recorder = px.Recorder()
     hooked = jax.vmap(px.ForwardHook(Deep(key=jax.random.key(0)), log_fn=px.activation_stats()))
     recorder.record(0, hooked(jnp.ones((4, 3)))[1])
-    with pytest.raises(ValueError, match="layer 'layers.0'.*px.pool_stats"):
+    with pytest.raises(ValueError, match=r"layer 'layers\.0'.*px\.pool_stats"):
         recorder.color_dim("layers.0")
 
 
@@ -378,6 +384,23 @@ def test_pooled_statistics_equal_statistics_of_the_whole_batch(value_range):
         np.testing.assert_array_equal(hist.counts, counts)
         np.testing.assert_array_equal(hist.edges, edges)
         assert_counts_every_value(hist, batch)
+
+
+def test_shared_range_histograms_inside_a_differentiated_loss_leave_the_gradients_alone():
+    model = Deep(key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (8, 3))
+    hooked = px.ForwardHook(model, log_fn=px.activation_stats(axis_name="batch"))
+
+    def loss(hooked):
+        out, log = jax.vmap(hooked, axis_name="batch")(xs)
+        return jnp.sum(out**2), px.pool_stats(log)
+
+    (_, log), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(hooked)
+    expected = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(xs) ** 2))(model)
+    for got, want in zip(jtu.tree_leaves(grads.model), jtu.tree_leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    out = np.asarray(jax.vmap(model)(xs))
+    np.testing.assert_array_equal(log["out"]["hist"].counts, np.histogram(out, 40)[0])
 
 
 def test_pooling_histograms_of_different_ranges_raises():

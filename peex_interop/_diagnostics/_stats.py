@@ -41,8 +41,17 @@ class NearZeroLog(AbstractLog):
 
 class Histogram(eqx.Module):
     """What `px.HistogramLog` logs for one array: counts in equal bins over `[low, high]`
-    and every value outside them counted, so that
-    `counts.sum() + below + above + nan` is the number of values.
+    and every value outside them counted, so that `counts.sum() + below + above + nan`
+    is the number of values (`total`).
+
+    **Fields:**
+
+    - `counts`: the number of values in each bin (numpy's bins: each includes its left
+        edge, the last one both).
+    - `low`, `high`: the range of the bins (`edges` are their `bins + 1` edges).
+    - `below`, `above`: the number of values below `low` and above `high` (`-inf`, `inf`
+        included).
+    - `nan`: the number of NaNs.
 
     Logged under `jax.vmap` or `jax.lax.scan`, every field gains the leading axes.
     """
@@ -104,6 +113,15 @@ class HistogramLog(AbstractLog):
     their bins agree, so for per-example layers under `jax.vmap` give the vmap an
     `axis_name` and pass it here, so that all examples share one range (as
     `eqx.nn.BatchNorm` shares its statistics), or give an explicit `range`.
+
+    **Arguments:**
+
+    - `bins`: the number of equal bins (fixed, so the log has a fixed shape under jit).
+    - `range`: `(low, high)` of the bins; values outside are counted as below or above.
+        Default: the finite min and max of each call's values (of the whole vmapped
+        batch with `axis_name`).
+    - `axis_name`: the name of a `jax.vmap` axis (or a tuple of names) over which every
+        example shares the data's range.
     """
 
     bins: int = eqx.field(static=True, default=40)
