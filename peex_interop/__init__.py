@@ -3,6 +3,11 @@
 import importlib as _importlib
 from typing import TYPE_CHECKING, Any as _Any
 
+from ._adapters._function import (
+    FunctionLayer as FunctionLayer,
+    FunctionModule as FunctionModule,
+    from_function as from_function,
+)
 from ._diagnostics._recorder import Recorder as Recorder
 from ._diagnostics._stats import (
     AbsMaxLog as AbsMaxLog,
@@ -114,7 +119,9 @@ __all__ = [
     "ComparisonRow",
     "ForwardHook",
     "FunctionHook",
+    "FunctionLayer",
     "FunctionLog",
+    "FunctionModule",
     "HaikuFunction",
     "HaikuModule",
     "Histogram",
@@ -140,6 +147,7 @@ __all__ = [
     "align",
     "all_of",
     "compare",
+    "from_function",
     "from_haiku",
     "from_linen",
     "from_nnx",
