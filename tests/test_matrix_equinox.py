@@ -282,3 +282,27 @@ def test_shard_map_on_8_simulated_devices():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "shard_map ok" in result.stdout
+
+
+class Attending(eqx.Module):
+    """eqx.nn.MultiheadAttention (which vmaps its projections itself) under nested jits:
+    eqx.filter_jit of the layer itself, and jax.jit closing over it."""
+
+    attn: eqx.nn.MultiheadAttention
+
+    def __call__(self, x):
+        y = eqx.filter_jit(self.attn)(x, x, x)
+        return jax.jit(lambda y: self.attn(y, y, y))(y)
+
+
+def test_builtin_attention_inside_nested_jits():
+    model = Attending(eqx.nn.MultiheadAttention(2, 4, key=jax.random.key(3)))
+    x = jax.random.normal(jax.random.key(4), (5, 4))
+    hooked = px.ForwardHook(model, log_fn=px.IdentityLog(), where="attn.query_proj")
+    for call in (lambda h, v: h(v), eqx.filter_jit(lambda h, v: h(v))):
+        with jax.checking_leaks():
+            out, log = call(hooked, x)
+        close(out, model(x))
+        assert sorted(log) == ["attn.query_proj", "attn.query_proj@1"]
+        close(log["attn.query_proj"], jax.vmap(model.attn.query_proj)(x))
+        close(log["attn.query_proj@1"], jax.vmap(model.attn.query_proj)(model.attn(x, x, x)))

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
+from peex_interop._engine._selection import glob_to_regex
 from models import Deep, MLP
 
 
@@ -21,7 +22,7 @@ from models import Deep, MLP
     ],
 )
 def test_glob(pattern, path, hit):
-    assert (px.glob_to_regex(pattern).match(path) is not None) == hit
+    assert (glob_to_regex(pattern).match(path) is not None) == hit
 
 
 def test_layer_names_where_types_and_predicates():

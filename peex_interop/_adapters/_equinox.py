@@ -7,7 +7,8 @@ root, as peex does) reaches layers at any depth: in lists, `eqx.nn.Sequential`, 
 methods, `jax.vmap(self.proj)` inside library layers, and layers rebuilt inside scans.
 """
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import equinox as eqx
@@ -16,29 +17,55 @@ import jax.numpy as jnp
 
 from .._engine import _context, _patching
 from .._engine._layouts import axes, Container, Layout, Param, refuse
+from .._engine._kinds import kind_of
 from .._engine._paths import AbstractTransparent, children, join, walk
 
 
-def _hooked_call(original: Any) -> Any:
-    def __call__(self, *args, **kwargs):
-        return _context.call_site(
-            self, lambda *a, **k: original(self, *a, **k), args, kwargs
-        )
+# Equinox's built-in layers, by library-independent kind (`px.KINDS`).
+EQUINOX_KINDS: dict[type, str] = {
+    eqx.nn.Linear: "linear",
+    eqx.nn.Identity: "other",
+    eqx.nn.Conv: "conv",
+    eqx.nn.ConvTranspose: "conv",
+    eqx.nn.MultiheadAttention: "attention",
+    eqx.nn.LayerNorm: "norm",
+    eqx.nn.BatchNorm: "norm",
+    eqx.nn.GroupNorm: "norm",
+    eqx.nn.RMSNorm: "norm",
+    eqx.nn.Embedding: "embedding",
+    eqx.nn.Dropout: "dropout",
+    eqx.nn.LSTMCell: "recurrent",
+    eqx.nn.GRUCell: "recurrent",
+    eqx.nn.Pool: "pool",
+    eqx.nn.Lambda: "activation",
+    eqx.nn.Sequential: "container",
+    eqx.nn.MLP: "container",
+}
 
-    setattr(__call__, _patching.ORIGINAL, original)
-    return __call__
+
+def equinox_kind(module: Any) -> str:
+    """The library-independent kind of an Equinox module (or class)."""
+    return kind_of(module, EQUINOX_KINDS)
+
+
+def _route(original: Callable, module: eqx.Module, args: tuple, kwargs: dict) -> Any:
+    return _context.call_site(module, functools.partial(original, module), args, kwargs)
 
 
 def class_patches(types: Iterable[type]) -> list[tuple[type, str, Any]]:
     """Patch targets for the `__call__` of each module type (wrappers excluded: they are
     transparent and run their own context)."""
-    layers = [cls for cls in types if not issubclass(cls, AbstractTransparent)]
-    return _patching.method_patches(layers, "__call__", _hooked_call)
+    # `eqx.nn.Shared` returns its tied layers, not activations: the layers it returns
+    # are the call sites (named by their paths under it).
+    layers = [cls for cls in types if not issubclass(cls, (AbstractTransparent, eqx.nn.Shared))]
+    return _patching.call_patches(layers, _route)
+
 
 # -- parameter layouts (px.transfer_params) ------------------------------------------
 # Equinox's facts: `Linear.weight` is (out, in), `Conv.weight` (out, in / groups,
 # *window) with a bias (out, 1, ...), attention projections merge (heads, head_dim)
-# head-major, LSTM gates are stacked (i, f, g, o), BatchNorm statistics live in an
+# head-major, LSTM gates are stacked (i, f, g, o) and GRU gates (r, z, n) with the
+# candidate's recurrent bias apart (`bias_n`), BatchNorm statistics live in an
 # `eqx.nn.State`.
 
 _ATTENTION_INPUTS = ("query_proj", "key_proj", "value_proj")
@@ -80,6 +107,14 @@ def _equinox_fields(module: Any, parent: Any, field: str | None, path: str) -> t
             "bias": ("bias", axes(("gate", "hidden"))),
         }
         return "lstm", fields, {}, gates, {}
+    if isinstance(module, eqx.nn.GRUCell):
+        fields = {
+            "input_kernel": ("weight_ih", axes(("gate", "hidden"), "in")),
+            "hidden_kernel": ("weight_hh", axes(("gate", "hidden"), "recurrent")),
+            "bias": ("bias", axes(("gate", "hidden"))),
+            "recurrent_bias": ("bias_n", axes("hidden")),
+        }
+        return "gru", fields, {}, {"gate": ("r", "z", "n")}, {}
     raise refuse(path, f"no known parameter layout for {type(module).__name__}")
 
 

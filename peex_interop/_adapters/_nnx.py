@@ -144,9 +144,7 @@ class NnxModule(AbstractConverted):
         A copy with `deterministic=False` and `use_running_average=False` wherever a
         submodule has them (Dropout and BatchNorm in training mode).
         """
-        module = self._merged()
-        module.train(**attributes)
-        return _convert(module, self.return_state)
+        return self._in_mode("train", attributes)
 
     def eval(self, **attributes: Any) -> "NnxModule":
         """The NNX `module.eval()`, functionally.
@@ -160,8 +158,11 @@ class NnxModule(AbstractConverted):
         A copy with `deterministic=True` and `use_running_average=True` wherever a
         submodule has them.
         """
+        return self._in_mode("eval", attributes)
+
+    def _in_mode(self, mode: str, attributes: dict[str, Any]) -> "NnxModule":
         module = self._merged()
-        module.eval(**attributes)
+        getattr(module, mode)(**attributes)
         return _convert(module, self.return_state)
 
     def _merged(self) -> nnx.Module:
@@ -306,26 +307,20 @@ def _calls() -> list[_Call]:
     return _calls_in_thread.items
 
 
-def _routed_call(original: Callable) -> Callable:
-    def __call__(self, *args, **kwargs):
-        calls = _calls()
-        if not calls or not _context.active():
-            return original(self, *args, **kwargs)
-        call = calls[-1]
-        path = call.path_of(self)
-        call.running.append((self, path))
-        try:
-            return _context.call_site(
-                call.owner, functools.partial(original, self), args, kwargs,
-                local=path, module=self,
-            )
-        finally:
-            call.running.pop()
-
-    setattr(__call__, _patching.ORIGINAL, original)
-    return __call__
-
-
+def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
+    calls = _calls()
+    if not calls or not _context.active():
+        return original(module, *args, **kwargs)
+    call = calls[-1]
+    path = call.path_of(module)
+    call.running.append((module, path))
+    try:
+        return _context.call_site(
+            call.owner, functools.partial(original, module), args, kwargs,
+            local=path, module=module,
+        )
+    finally:
+        call.running.pop()
 
 
 @contextlib.contextmanager
@@ -339,20 +334,22 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
     call = _Call(owner, root, {id(module): path for path, module in paths})
     calls = _calls()
     types = {type(module) for _, module in paths}
-    with _patching.patched(_patching.method_patches(types, "__call__", _routed_call)):
+    with _patching.patched(_patching.call_patches(types, _route)):
         calls.append(call)
         try:
             yield
         finally:
             calls.remove(call)
 
+
 # -- parameter layouts (px.transfer_params) ------------------------------------------
 # NNX's facts: kernels are (in, out) / (*window, in / groups, out); attention
 # projections are `LinearGeneral`s with (in, heads, head_dim) and (heads, head_dim, out)
 # kernels; a norm's shift is called `bias`; BatchNorm statistics are `BatchStat`s on
 # the module; an `LSTMCell` holds one `Linear` per gate and side (input projections
-# without bias). A spec maps a parameter to the attributes it is stacked from (one
-# attribute: the value itself) and its named axes.
+# without bias), a `GRUCell` one per side with gates (r, z, n) and no recurrent bias.
+# A spec maps a parameter to the attributes it is stacked from (one attribute: the
+# value itself) and its named axes.
 
 _ATTENTION_INPUTS = ("query", "key", "value")
 _LSTM_GATES = ("i", "f", "g", "o")
@@ -395,6 +392,14 @@ def _nnx_spec(layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str
             "bias": (_lstm_attributes("h", "bias"), axes("gate", "hidden")),
         }
         return "lstm", spec, {"gate": _LSTM_GATES}, {}
+    if isinstance(layer, nnx.GRUCell):
+        gates = axes(("gate", "hidden"))[0]
+        spec = {
+            "input_kernel": (("dense_i.kernel",), axes("in", gates)),
+            "hidden_kernel": (("dense_h.kernel",), axes("recurrent", gates)),
+            "bias": (("dense_i.bias",), axes(gates)),
+        }
+        return "gru", spec, {"gate": ("r", "z", "n")}, {}
     raise refuse(path, f"no known parameter layout for {type(layer).__name__}")
 
 
@@ -426,7 +431,7 @@ def _nnx_layout(root: nnx.Module, local: Path) -> Layout | Container:
     path = ".".join(local)
     layer, parent = _find(root, local)
     own = [name for name, value in vars(layer).items() if isinstance(value, nnx.Variable)]
-    if not own and not isinstance(layer, nnx.LSTMCell):
+    if not own and not isinstance(layer, (nnx.LSTMCell, nnx.GRUCell)):
         parts = [".".join(p) for p, m in _paths(layer) if p and any(isinstance(v, nnx.Param) for v in vars(m).values())]
         if parts:
             return Container(tuple(parts))

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import HookError, TransformError
-from ._kinds import layer_kind
-from ._paths import join, walk
+from ._paths import AbstractConverted, join, walk
 from ._selection import Selection
 
 
@@ -100,9 +99,15 @@ class HookContext:
     """
 
     def __init__(
-        self, root: Any, policy: Policy, probes: dict | None, discovering: bool
+        self,
+        root: Any,
+        policy: Policy,
+        probes: dict | None,
+        discovering: bool,
+        native_kind: Callable[[Any], str],
     ):
         self.policy = policy
+        self.native_kind = native_kind
         # Read once: the wrappers build their selection from static fields on access.
         self.selection = policy.selection
         self.renames = self.selection.rename
@@ -190,7 +195,9 @@ class HookContext:
     def run(self, call, owner, local, path, module, *args, **kwargs):
         self.frames.append((owner, local, path))
         try:
-            kind = layer_kind(owner, module)
+            # Converted models know their library's classes; the rest are Equinox's.
+            converted = isinstance(owner, AbstractConverted) and owner is not module
+            kind = owner.layer_kind(module) if converted else self.native_kind(module)
             if not self.selection.selects(path, module, kind):
                 return call(*args, **kwargs)
             name = self.renames.get(path, path)
@@ -330,6 +337,15 @@ def _spec(x: Any) -> Any:
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "aval"):
         return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
     return type(x).__name__
+
+
+def zeros_like(tree: Any) -> Any:
+    """Zeros in place of every array (or `jax.ShapeDtypeStruct`) leaf: log templates,
+    backward slots, and the logs of branches not taken."""
+    return jtu.tree_map(
+        lambda x: jnp.zeros(x.shape, x.dtype) if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct) else x,
+        tree,
+    )
 
 
 def check_same_shape(path: str, role: str, expected: Any, got: Any) -> None:

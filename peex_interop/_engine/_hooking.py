@@ -6,11 +6,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import jax.tree_util as jtu
 
 from . import _patching
-from .._adapters._equinox import class_patches
+from .._adapters._equinox import class_patches, equinox_kind
 from ._context import HookContext, Policy, entered
 from ._transforms import transform_patches
 
@@ -31,7 +29,7 @@ def hooking(
     Class and transform patches are installed (or shared with overlapping calls) and
     undone on every exit path; the context is visible to this thread only.
     """
-    context = HookContext(root, policy, probes, discovering)
+    context = HookContext(root, policy, probes, discovering, equinox_kind)
     patches = class_patches(context.module_types) + transform_patches()
     with _patching.patched(patches), entered(context), _hooking_jit_key(True):
         yield context
@@ -47,7 +45,3 @@ def check_model(model: Any, wrapper: str) -> None:
         "`px.from_haiku(transformed, params, state)` and a Flax NNX module with "
         "`px.from_nnx(module)`."
     )
-
-
-def zeros_like_arrays(tree: Any) -> Any:
-    return jtu.tree_map(lambda x: jnp.zeros_like(x) if eqx.is_array(x) else x, tree)

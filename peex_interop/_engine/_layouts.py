@@ -22,6 +22,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from ._errors import HookError
@@ -39,7 +40,8 @@ LAYOUT_KINDS: dict[str, dict[str, tuple[str, ...]]] = {
     "norm": {"scale": ("features",), "offset": ("features",)},
     "batch_norm": {"scale": ("features",), "offset": ("features",), "mean": ("features",), "var": ("features",)},
     "lstm": {"input_kernel": ("in", "gate", "hidden"), "hidden_kernel": ("recurrent", "gate", "hidden"), "bias": ("gate", "hidden")},
-    "gru": {"input_kernel": ("in", "gate", "hidden"), "hidden_kernel": ("recurrent", "gate", "hidden"), "input_bias": ("gate", "hidden"), "hidden_bias": ("gate", "hidden")},
+    # `recurrent_bias` is added to the candidate's recurrent term inside the reset gate.
+    "gru": {"input_kernel": ("in", "gate", "hidden"), "hidden_kernel": ("recurrent", "gate", "hidden"), "bias": ("gate", "hidden"), "recurrent_bias": ("hidden",)},
 }
 
 
@@ -136,8 +138,9 @@ def convert(path: str, name: str, source: Layout, target: Layout) -> Any:
     dst_stack = tuple(dst.value.shape[: dst.value.ndim - len(dst.axes)])
     if src_stack != dst_stack:
         raise refuse(path, f"{name}: stacked {src_stack} in the source, {dst_stack} in the destination")
-    src_sizes: dict[str, int] = {}
-    dst_sizes: dict[str, int] = {}
+    # An atom whose members are named (gates) has as many as it names.
+    src_sizes = {atom: len(order) for atom, order in source.orders.items()}
+    dst_sizes = {atom: len(order) for atom, order in target.orders.items()}
     # Sizes first from what each side states, then from the other side's, so that an
     # entry merged on both sides (Haiku and Equinox attention) is still checked.
     _learn_sizes(path, name, "destination", dst, target.sizes, dst_sizes)
@@ -188,10 +191,23 @@ def _unshift(value: Any, param: Param, lead: int, sizes: dict[str, int], orders:
     return value
 
 
+def _check_declared(layout: Layout) -> None:
+    # An adapter's layout must use its kind's names and atoms (`window` stands for the
+    # spatial atoms `window0`, `window1`, ...): a slip in a declaration is a bug here,
+    # not a silently different layout.
+    declared = LAYOUT_KINDS[layout.kind]
+    for name, param in layout.params.items():
+        atoms = ["window" if atom.startswith("window") else atom for atom in _atoms(param.axes)]
+        if sorted(set(atoms)) != sorted(declared[name]):
+            raise AssertionError(f"{layout.kind} {name} declared with axes {_render(param.axes)}, not {declared[name]}")
+
+
 def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
     """`{name: value}` for every parameter of `target`, converted from `source`. A
     parameter the destination has and the source lacks becomes zeros when that is the
     same layer (a missing bias is a zero bias); the other way round is an error."""
+    _check_declared(source)
+    _check_declared(target)
     if source.kind != target.kind:
         raise refuse(path, f"the source is a {source.kind} layer, the destination a {target.kind} layer")
     for fact in sorted(set(source.facts) & set(target.facts)):
@@ -202,7 +218,7 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
         src, dst = source.params.get(name), target.params.get(name)
         has_src = src is not None and src.value is not None
         has_dst = dst is not None and dst.value is not None
-        if has_src and not has_dst:
+        if has_src and not has_dst and not _is_zero(src.value):
             raise refuse(path, f"the source has a {name} and the destination has none")
         if has_dst and not has_src:
             zero = Param(jnp.zeros_like(dst.value), dst.axes)
@@ -210,6 +226,11 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
         elif has_dst:
             values[name] = convert(path, name, source, target)
     return values
+
+
+def _is_zero(value: Any) -> bool:
+    # A parameter that is concretely zero is the same layer as one without it.
+    return not isinstance(value, jax.core.Tracer) and not bool(jnp.any(value))
 
 
 def _unshift_zero(path: str, name: str, zero: Param, dst: Param, target: Layout) -> Any:

@@ -32,10 +32,12 @@ def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
             entry[3] += 1
             return
         had_own = name in vars(owner)
-        original = vars(owner)[name] if had_own else None
-        replacement = make(unwrap(getattr(owner, name)))
+        own_value = vars(owner)[name] if had_own else None
+        original = unwrap(getattr(owner, name))
+        replacement = make(original)
+        setattr(replacement, ORIGINAL, original)  # how `unwrap` and chained patches find it
         setattr(owner, name, replacement)
-        _installed[(id(owner), name)] = [owner, had_own, original, 1]
+        _installed[(id(owner), name)] = [owner, had_own, own_value, 1]
 
 
 def _uninstall(owner: Any, name: str) -> None:
@@ -90,3 +92,19 @@ def method_patches(
         for cls in sorted(types, key=lambda c: (c.__module__, c.__qualname__))
         if defines(cls, name)
     ]
+
+
+def call_patches(
+    types: Iterable[type], route: Callable[[Callable, Any, tuple, dict], Any]
+) -> list[tuple[type, str, Callable[[Any], Any]]]:
+    """Targets replacing `__call__` of each type that has one by
+    `route(original, module, args, kwargs)`: how the Equinox and NNX adapters hand
+    their modules' calls to the engine's call sites."""
+
+    def make(original: Callable) -> Callable:
+        def __call__(self, *args, **kwargs):
+            return route(original, self, args, kwargs)
+
+        return __call__
+
+    return method_patches(types, "__call__", make)

@@ -4,7 +4,7 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 from ._errors import HookError
 from ._kinds import KINDS
@@ -16,7 +16,6 @@ _WHERE_TAKES = (
 )
 
 Predicate = Callable[[str, Any], bool]
-Criterion = Union[str, type, Predicate]
 
 
 def glob_to_regex(pattern: str) -> re.Pattern:
@@ -62,6 +61,11 @@ class AllOf:
     """Selects the layers every one of its criteria selects."""
 
     criteria: tuple[Any, ...]
+
+
+# What `where=` accepts: one criterion or a sequence of them (any matching selects).
+Criterion = str | type | Predicate | Kind | Not | AllOf
+Where = Criterion | Sequence[Criterion] | None
 
 
 def kind(*kinds: str) -> Kind:
@@ -123,7 +127,7 @@ class Selection:
 
     @classmethod
     def make(
-        cls, layer_names: Sequence[str] | None, where: Any, rename: dict[str, str] | None = None
+        cls, layer_names: Sequence[str] | None, where: Where, rename: dict[str, str] | None = None
     ) -> "Selection":
         renames = tuple(sorted((rename or {}).items()))
         targets = [target for _, target in renames]

@@ -220,10 +220,6 @@ def threaded_fori_loop(real_fori_loop: Callable) -> Callable:
     return fori_loop
 
 
-def _zeros(shapes: Any) -> Any:
-    return jtu.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
-
-
 def _branches(fns: list, operands: tuple, select: Callable) -> Any:
     """cond/switch: each branch is a body; the branches' logs are padded to one
     structure (a layer that only some branches call logs zeros in the others)."""
@@ -234,7 +230,7 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
             out, logs = body(probes, inner, inner, {})
             if union is not None:
                 logs = [
-                    {key: log.get(key, zeros) for key, zeros in _zeros(u).items()}
+                    {key: log.get(key, zeros) for key, zeros in _context.zeros_like(u).items()}
                     for log, u in zip(logs, union)
                 ]
             return out, logs
@@ -483,24 +479,16 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
     """Patch targets for `_patching.patched`: the public entry points whose bodies the
     engine threads logs out of."""
     return [
-        (jax, "vmap", _marked(threaded_vmap)),
-        (jax.lax, "scan", _marked(threaded_scan)),
-        (jax.lax, "map", _marked(threaded_map)),
-        (jax.lax, "fori_loop", _marked(threaded_fori_loop)),
-        (jax.lax, "cond", _marked(threaded_cond)),
-        (jax.lax, "switch", _marked(threaded_switch)),
-        (jax, "checkpoint", _marked(threaded_checkpoint)),
-        (jax, "remat", _marked(threaded_checkpoint)),
-        (jax, "jit", _marked(threaded_jit)),
-        (jax, "shard_map", _marked(threaded_shard_map)),
-        (_JitWrapper, "__call__", _marked(threaded_filter_jit_call)),
+        (jax, "vmap", threaded_vmap),
+        (jax.lax, "scan", threaded_scan),
+        (jax.lax, "map", threaded_map),
+        (jax.lax, "fori_loop", threaded_fori_loop),
+        (jax.lax, "cond", threaded_cond),
+        (jax.lax, "switch", threaded_switch),
+        (jax, "checkpoint", threaded_checkpoint),
+        (jax, "remat", threaded_checkpoint),
+        (jax, "jit", threaded_jit),
+        (jax, "shard_map", threaded_shard_map),
+        (_JitWrapper, "__call__", threaded_filter_jit_call),
     ]
 
-
-def _marked(make: Callable) -> Callable:
-    def install(original: Callable) -> Callable:
-        replacement = make(original)
-        setattr(replacement, _patching.ORIGINAL, original)
-        return replacement
-
-    return install

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._engine._context import HookContext, Site, check_same_shape
+from .._engine._context import HookContext, Site, check_same_shape, zeros_like
 from .._engine._errors import TransformError
-from .._engine._hooking import hooking, zeros_like_arrays
-from ._hooks import AbstractHook, IdentityHook, as_hook
-from ._logs import AbstractLog, NoneLog, as_log
+from .._engine._hooking import hooking
+from .._engine._selection import Where
+from ._hooks import AbstractHook, HookLike, IdentityHook, as_hook
+from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields
 
 
@@ -47,13 +48,13 @@ class BackwardHook(AbstractHookWrapper):
     def __init__(
         self,
         model: PyTree,
-        hook_fn: Any = IdentityHook(),
-        log_fn: Any = NoneLog(),
-        log: dict = {},
+        hook_fn: HookLike = IdentityHook(),
+        log_fn: LogLike = NoneLog(),
+        log: dict[str, Any] | None = None,
         pre_hook: bool = False,
         layer_names: Sequence[str] | None = None,
         *,
-        where: Any = None,
+        where: Where = None,
         rename: dict[str, str] | None = None,
     ):
         """**Arguments:**
@@ -72,7 +73,7 @@ class BackwardHook(AbstractHookWrapper):
         self.model = model
         self.hook_fn = as_hook(hook_fn)
         self.log_fn = as_log(log_fn)
-        self.log = dict(log)
+        self.log = dict(log or {})
         self.pre_hook = pre_hook
         self.layer_names = selection.names
         self.where = selection.where
@@ -96,7 +97,7 @@ class BackwardHook(AbstractHookWrapper):
             return context.logs
 
         shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
-        slots = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        slots = zeros_like(shapes)
         return BackwardHook(
             self.model, self.hook_fn, self.log_fn, slots, self.pre_hook,
             self.layer_names, where=self.where, rename=self.selection.rename,
@@ -124,7 +125,7 @@ class BackwardHook(AbstractHookWrapper):
         return self._attach(context, site, site.call(*site.args, **site.kwargs))
 
     def _attach(self, context: HookContext, site: Site, value: Any) -> Any:
-        template = context.apply(site, "log_fn", self.log_fn, zeros_like_arrays(value))
+        template = context.apply(site, "log_fn", self.log_fn, zeros_like(value))
         if context.discovering:
             context.record(site, site.key, template)
             return value

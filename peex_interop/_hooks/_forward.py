@@ -6,8 +6,9 @@ from jaxtyping import PyTree
 
 from .._engine._context import HookContext, Site
 from .._engine._hooking import hooking
-from ._hooks import AbstractHook, IdentityHook, as_hook
-from ._logs import AbstractLog, NoneLog, as_log
+from .._engine._selection import Where
+from ._hooks import AbstractHook, HookLike, IdentityHook, as_hook
+from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields
 
 
@@ -39,16 +40,16 @@ class ForwardHook(AbstractHookWrapper):
     def __init__(
         self,
         model: PyTree,
-        hook_fn: Any = IdentityHook(),
-        log_fn: Any = NoneLog(),
-        log: dict = {},
+        hook_fn: HookLike = IdentityHook(),
+        log_fn: LogLike = NoneLog(),
+        log: dict[str, Any] | None = None,
         pre_hook: bool = False,
         layer_names: Sequence[str] | None = None,
         *,
-        where: Any = None,
+        where: Where = None,
         rename: dict[str, str] | None = None,
-        pre_hook_fn: Any = None,
-        pre_log_fn: Any = None,
+        pre_hook_fn: HookLike | None = None,
+        pre_log_fn: LogLike | None = None,
     ):
         """**Arguments:**
 
@@ -74,7 +75,7 @@ class ForwardHook(AbstractHookWrapper):
         self.model = model
         self.hook_fn = as_hook(hook_fn)
         self.log_fn = as_log(log_fn)
-        self.log = dict(log)
+        self.log = dict(log or {})
         self.pre_hook = pre_hook
         self.layer_names = selection.names
         self.where = selection.where

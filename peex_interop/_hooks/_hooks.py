@@ -39,7 +39,11 @@ class FunctionHook(AbstractHook):
         return self.fn(args)
 
 
-def as_hook(hook: Any) -> AbstractHook | None:
+# A hook as the wrappers accept it: a `px.AbstractHook`, or any callable (wrapped).
+HookLike = AbstractHook | Callable[[Any], Any]
+
+
+def as_hook(hook: HookLike | None) -> AbstractHook | None:
     if hook is None or isinstance(hook, AbstractHook):
         return hook
     if callable(hook):

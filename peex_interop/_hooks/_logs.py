@@ -56,7 +56,11 @@ class FunctionLog(AbstractLog):
         return self.fn(args)
 
 
-def as_log(log: Any) -> AbstractLog | None:
+# A log as the wrappers accept it: a `px.AbstractLog`, or any callable (wrapped).
+LogLike = AbstractLog | Callable[[Any], Any]
+
+
+def as_log(log: LogLike | None) -> AbstractLog | None:
     if log is None or isinstance(log, AbstractLog):
         return log
     if callable(log):

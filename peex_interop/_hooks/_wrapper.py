@@ -7,14 +7,14 @@ import equinox as eqx
 
 from .._engine._hooking import check_model
 from .._engine._paths import AbstractTransparent, module_paths, paths_known
-from .._engine._selection import Selection
+from .._engine._selection import Criterion, Selection, Where
 
 
 class AbstractHookWrapper(AbstractTransparent):
     """Base of `ForwardHook` and `BackwardHook`: a model plus which layers to hook."""
 
     layer_names: tuple[str, ...] | None = eqx.field(static=True)
-    where: tuple[Any, ...] | None = eqx.field(static=True)
+    where: tuple[Criterion, ...] | None = eqx.field(static=True)
     renames: tuple[tuple[str, str], ...] = eqx.field(static=True)
 
     @property
@@ -26,7 +26,7 @@ def selection_fields(
     model: Any,
     wrapper: str,
     layer_names: Sequence[str] | None,
-    where: Any,
+    where: Where,
     rename: dict[str, str] | None,
 ) -> Selection:
     """Check the model and the selection once, at construction, and normalise both to
