@@ -28,12 +28,15 @@ from ._diagnostics._summary import (
     summary as summary,
     total_params as total_params,
 )
-from ._engine._errors import HookError as HookError, TransformError as TransformError
+from ._engine._errors import (
+    HookError as HookError,
+    PeexInteropError as PeexInteropError,
+    TransformError as TransformError,
+)
 from ._engine._kinds import KINDS as KINDS
 from ._engine._paths import module_paths as module_paths
 from ._engine._selection import (
     all_of as all_of,
-    glob_to_regex as glob_to_regex,
     kind as kind,
     not_ as not_,
 )
@@ -134,6 +137,7 @@ __all__ = [
     "NearZeroLog",
     "NnxModule",
     "NoneLog",
+    "PeexInteropError",
     "Recorder",
     "StatsLog",
     "StdLog",
@@ -147,7 +151,6 @@ __all__ = [
     "from_haiku",
     "from_linen",
     "from_nnx",
-    "glob_to_regex",
     "haiku_function",
     "kind",
     "model_sizes",
