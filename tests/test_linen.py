@@ -299,7 +299,7 @@ def _delta_grads(module, variables, x, paths, **kwargs):
         return jnp.sum(out**2)
 
     shapes = captured(module, variables, x, {})
-    return jax.grad(loss)({p: jnp.zeros_like(shapes[p]) for p in paths})
+    return jax.jit(jax.grad(loss))({p: jnp.zeros_like(shapes[p]) for p in paths})
 
 
 def test_backward_logs_equal_gradients_of_the_sub_computation(built):
@@ -331,7 +331,7 @@ def test_backward_logs_in_a_scan_are_per_step(built):
         outs = [nn.Dense(2).apply({"params": jax.tree.map(lambda a: a[m], params["ens"])}, h) for m in range(2)]
         return jnp.sum(((outs[0] + outs[1]) / 2) ** 2)
 
-    expected = jax.grad(loss)(jnp.zeros((3, 2, 4)))
+    expected = jax.jit(jax.grad(loss))(jnp.zeros((3, 2, 4)))
     close(grads.log["blocks.lin"], expected)
 
 
@@ -417,7 +417,7 @@ def test_stats_logs_and_the_same_keys_as_an_equinox_twin(built):
             return jax.vmap(lambda r: self.Dense_1(jax.nn.relu(self.Dense_0(r))))(x)
 
     twin = Twin(eqx.nn.Linear(3, 5, key=key(0)), eqx.nn.Linear(5, 2, key=key(1)))
-    _, twin_log = px.ForwardHook(twin, log_fn=px.activation_stats(), where=px.kind("linear"))(x)
+    _, twin_log = px.ForwardHook(twin, log_fn=px.MeanLog(), where=px.kind("linear"))(x)
     assert set(twin_log) == set(log)
 
 
@@ -511,7 +511,10 @@ def test_transfer_between_linen_and_nnx_is_exact_both_ways(name):
     assert not alignment.unmatched and not alignment.ambiguous
     ported = px.transfer_params(linen, port, alignment.mapping, inputs=x)
     close(ported(x), linen(x))
-    back = px.transfer_params(ported, _linen(type(linen.module)(), x + 1), {b: a for a, b in alignment.mapping.items()}, inputs=x)
+    # Back (the modules learnt from an abstract run; no verification run needed, the
+    # variables are compared exactly).
+    reverse = {b: a for a, b in alignment.mapping.items()}
+    back = px.transfer_params(ported, _linen(type(linen.module)(), x + 1), reverse, inputs=x, verify=False)
     jax.tree.map(close, back.variables, linen.variables)
 
 
