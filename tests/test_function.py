@@ -213,6 +213,25 @@ def test_transfer_between_a_zephyr_mlp_and_an_equinox_mlp():
         px.transfer_params(model, eqx.nn.MLP(3, 2, 6, 1, key=jax.random.key(3)), {"0": "layers.0"})
 
 
+def test_transfer_between_zephyr_attention_and_nnx_attention_is_exact():
+    nnx = pytest.importorskip("flax.nnx")
+
+    def attention(params, x):
+        return multi_head_self_attention(params, x, 2, implementation="xla")
+
+    x = jax.random.normal(jax.random.key(1), (2, 5, 4))
+    params = trace(attention, jax.random.key(0), x)
+    model = from_function(attention, params, layers=[multi_head_self_attention, linear])
+    port = px.from_nnx(nnx.MultiHeadAttention(2, 4, decode=False, rngs=nnx.Rngs(0)))
+    alignment = px.align(model, port, x)
+    assert alignment.mapping == {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}
+    ported = px.transfer_params(model, port, alignment.mapping, inputs=x)
+    close(ported(x), model(x))
+    # Back, from the variables alone: zephyr's projection names tell the layout.
+    back = px.transfer_params(ported, from_function(attention, jax.tree.map(jnp.zeros_like, params), layers=[linear]), {b: a for a, b in alignment.mapping.items()})
+    jax.tree.map(close, back.params, params)
+
+
 # -- errors, scoping, threads ------------------------------------------------------------------
 def test_foreign_params_are_an_error_naming_the_function(seed):
     model, params, x = seed
