@@ -83,13 +83,20 @@ def _naming(path: str) -> str:
 
 
 def check_threaded(
-    mode: str, model: Any, args: tuple, reference: Callable, shapes: dict[str, tuple], *, init_refused: bool = False
+    mode: str,
+    model: Any,
+    args: tuple,
+    reference: Callable,
+    shapes: dict[str, tuple],
+    *,
+    init_refused: bool = False,
+    unnamed: str | None = None,
 ) -> None:
     """Logs, edits and cotangents of the layers in `shapes` equal the reference's.
 
     `init_refused`: `BackwardHook.init` runs the model abstractly (`eval_shape`), so a
     value that is concrete in an eager call (a loop bound) is traced there: its
-    layers are refused at `.init`, naming them."""
+    layers are refused at `.init`, naming them (or `unnamed`, as in `check_refused`)."""
     paths = sorted(shapes)
     reference, reference_grad = _compiled(reference)
     ref_out, ref_logs = reference(_deltas(shapes))
@@ -109,7 +116,7 @@ def check_threaded(
     jax.tree.map(close, edited, reference(_deltas(shapes, ones=paths[-1]))[0])
 
     if init_refused:
-        with jax.checking_leaks(), pytest.raises(px.TransformError, match=_naming(paths[0])):
+        with jax.checking_leaks(), pytest.raises(px.TransformError, match=unnamed or _naming(paths[0])):
             px.BackwardHook(model, log_fn=px.IdentityLog(), where=paths).init(*args)
         return
     expected = reference_grad(_deltas(shapes))
@@ -122,24 +129,39 @@ def check_threaded(
 
 
 def check_refused(
-    mode: str, model: Any, args: tuple, reference: Callable, shapes: dict[str, tuple], *, model_leaks: bool = False
+    mode: str,
+    model: Any,
+    args: tuple,
+    reference: Callable,
+    shapes: dict[str, tuple],
+    *,
+    model_leaks: bool = False,
+    unnamed: str | None = None,
 ) -> None:
     """Logging any layer in `shapes` raises `px.TransformError` naming it; edits apply.
 
+    `unnamed`: the type name of a layer that reaches the transform as an argument (a
+    loop carry, a jit's argument): no path can be told, so the error names its type,
+    and edits are refused as well.
     `model_leaks`: the unhooked model itself fails `jax.checking_leaks()` (JAX's jit
     cache keeps the tracers a jit created before the call closed over): the edit is
     then checked without it."""
     reference, _ = _compiled(reference)
     for path in sorted(shapes):
-        naming = _naming(path)
+        naming = unnamed or _naming(path)
+        editing = px.ForwardHook(model, hook_fn=lambda y: y + 1.0, where=path)
         with jax.checking_leaks():
             with pytest.raises(px.TransformError, match=naming):
                 _in(mode, _call)(px.ForwardHook(model, log_fn=px.IdentityLog(), where=path), args)
             with pytest.raises(px.TransformError, match=naming):
                 hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where=path).init(*args)
                 _in(mode, _grad)(hooked, args)
+            if unnamed:
+                with pytest.raises(px.TransformError, match=naming):
+                    _in(mode, _call)(editing, args)
+                continue
         with jax.checking_leaks() if not model_leaks else contextlib.nullcontext():
-            edited, log = _in(mode, _call)(px.ForwardHook(model, hook_fn=lambda y: y + 1.0, where=path), args)
+            edited, log = _in(mode, _call)(editing, args)
         assert log == {}
         jax.tree.map(close, edited, reference(_deltas(shapes, ones=path))[0])
 
