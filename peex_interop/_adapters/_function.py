@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -105,10 +106,6 @@ def layer_type(function: Callable) -> type:
     return cls
 
 
-def _is_array(x: Any) -> bool:
-    return eqx.is_array(x)
-
-
 def _nodes(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
     """Every container (dict, list, tuple) and array of a params tree, pre-order."""
     if isinstance(tree, Mapping):
@@ -119,12 +116,12 @@ def _nodes(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
         yield prefix, tree
         for index, child in enumerate(tree):
             yield from _nodes(child, (*prefix, str(index)))
-    elif _is_array(tree):
+    elif eqx.is_array(tree):
         yield prefix, tree
 
 
 def _size(tree: Any) -> int:
-    return sum(leaf.size for leaf in jax.tree.leaves(tree) if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
+    return sum(leaf.size for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
 
 
 class FunctionModule(AbstractConverted):
@@ -160,11 +157,6 @@ class FunctionModule(AbstractConverted):
                 return self.fn(self.params, *args, **kwargs)
             finally:
                 _calls().remove(call)
-
-    @property
-    def layer_functions(self) -> tuple[Callable, ...]:
-        """The designated layer functions."""
-        return tuple(function for function, _ in self.kinds)
 
     def layers(self) -> dict[Path, None]:
         """Every path of the params tree (containers and arrays): a layer call is named
@@ -215,12 +207,12 @@ class _Call:
         entry = self.ids.get(id(params))
         if entry is not None:
             return entry[0]
-        leaves = [(path, node) for path, node in _nodes(params) if _is_array(node)]
+        leaves = [(path, node) for path, node in _nodes(params) if eqx.is_array(node)]
         if not leaves:
             # No parameters: named after the function, inside the running layer.
             return (*(self.running[-1] if self.running else ()), getattr(function, "__name__", "layer"))
         if self.arrays is None:
-            self.arrays = {id(node): path for path, node in _nodes(self.owner.params) if _is_array(node)}
+            self.arrays = {id(node): path for path, node in _nodes(self.owner.params) if eqx.is_array(node)}
         for relative, leaf in leaves:
             found = self.arrays.get(id(_context.origin(leaf)))
             if found is not None and found[len(found) - len(relative) :] == relative:
@@ -280,7 +272,10 @@ class _Namespace:
         self.__dict__ = namespace
 
 
+# One proxy per dict, for ever: patches are counted per owner object, so overlapping
+# calls must patch a dict through the same proxy.
 _namespaces: dict[int, _Namespace] = {}
+_namespaces_lock = threading.Lock()
 
 
 def _owner(namespace: dict) -> Any:
@@ -288,9 +283,10 @@ def _owner(namespace: dict) -> Any:
     module = sys.modules.get(name) if isinstance(name, str) else None
     if module is not None and vars(module) is namespace:
         return module
-    if id(namespace) not in _namespaces:
-        _namespaces[id(namespace)] = _Namespace(namespace)
-    return _namespaces[id(namespace)]
+    with _namespaces_lock:
+        if id(namespace) not in _namespaces:
+            _namespaces[id(namespace)] = _Namespace(namespace)
+        return _namespaces[id(namespace)]
 
 
 def _bound(value: Any, wanted: set[int]) -> bool:
@@ -349,7 +345,7 @@ def _node(tree: Any, path: Path) -> Any:
 def _own(tree: Any) -> dict[str, Any]:
     if not isinstance(tree, Mapping):
         return {}
-    return {str(name): value for name, value in tree.items() if _is_array(value)}
+    return {str(name): value for name, value in tree.items() if eqx.is_array(value)}
 
 
 def _one_of(own: dict[str, Any], names: Sequence[str]) -> str | None:

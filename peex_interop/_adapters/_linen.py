@@ -465,7 +465,7 @@ def from_linen(
             "from_linen takes the unbound module definition (the object you call "
             "`.init` on), not a bound module"
         )
-    if not isinstance(variables, Mapping) or "params" not in variables and variables:
+    if not isinstance(variables, Mapping) or (variables and "params" not in variables):
         raise TypeError(
             "from_linen expects the variables dict that `module.init` returns "
             f"({{'params': ...}}), got {type(variables).__name__} with keys "
