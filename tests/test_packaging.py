@@ -37,9 +37,9 @@ sys.meta_path.insert(0, Block())
 
 
 def test_import_loads_no_optional_library():
-    result = run_python("import sys, peex_interop; print(sorted(sys.modules))")
+    result = run_python("import sys, peex_interop; print(*sys.modules, sep='\\n')")
     assert result.returncode == 0, result.stderr
-    loaded = set(result.stdout.split("'")[1::2])
+    loaded = {name.partition(".")[0] for name in result.stdout.split()}
     assert "peex_interop" in loaded
     assert not loaded & {*EXTRAS, "optax"}, loaded & {*EXTRAS, "optax"}
 
@@ -79,8 +79,7 @@ def test_a_missing_optional_library_says_what_to_install(library, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(LAZY))
 def test_adapter_names_load_on_first_use(name):
-    importorskip_library = pytest.importorskip(LAZY[name][1])
-    assert importorskip_library is not None
+    pytest.importorskip(LAZY[name][1])
     value = getattr(px, name)
     assert value.__name__ == name
     assert value.__module__ == f"peex_interop{LAZY[name][0]}"
