@@ -232,6 +232,49 @@ def test_transfer_between_zephyr_attention_and_nnx_attention_is_exact():
     jax.tree.map(close, back.params, params)
 
 
+def test_one_network_in_five_styles_logs_the_same_keys_and_values():
+    hk = pytest.importorskip("haiku")
+    nn = pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+
+    def zephyr_mlp(params, x):
+        return mlp(params, x, [5, 2])
+
+    reference = from_function(zephyr_mlp, trace(zephyr_mlp, jax.random.key(0), x), layers=[mlp, linear])
+
+    class EquinoxMLP(eqx.Module):
+        mlp: eqx.nn.MLP
+
+        def __call__(self, x):
+            return jax.vmap(self.mlp)(x)
+
+    class LinenMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(jax.nn.relu(nn.Dense(5)(x)))
+
+    haiku = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([5, 2])(x)))
+    linen = LinenMLP()
+    ports = {
+        "equinox": EquinoxMLP(eqx.nn.MLP(3, 2, 5, 1, activation=jax.nn.relu, key=jax.random.key(2))),
+        "haiku": px.from_haiku(haiku, haiku.init(jax.random.key(2), x)),
+        "nnx": px.from_nnx(nnx.Sequential(nnx.Linear(3, 5, rngs=nnx.Rngs(2)), jax.nn.relu, nnx.Linear(5, 2, rngs=nnx.Rngs(3)))),
+        "linen": px.from_linen(linen, linen.init(jax.random.key(2), x)),
+    }
+    # The same hook line everywhere.
+    hook = lambda model: px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.kind("linear"))(x)  # noqa: E731
+    _, expected = hook(reference)
+    assert set(expected) == {"0", "1"}
+    for style, port in ports.items():
+        mapping = px.align(reference, port, x).mapping
+        port = px.transfer_params(reference, port, mapping)
+        _, log = hook(port)
+        canonical = px.rename(log, {b: a for a, b in mapping.items()})
+        assert set(canonical) == set(expected), style
+        jax.tree.map(close, canonical, expected)
+
+
 # -- errors, scoping, threads ------------------------------------------------------------------
 def test_foreign_params_are_an_error_naming_the_function(seed):
     model, params, x = seed
