@@ -404,10 +404,18 @@ def test_kinds_and_summary_cover_the_builtins(built):
     assert rows["Conv_0"].trainable == 3 * 3 * 2 * 4 + 4
 
 
-def test_stats_logs_and_the_same_keys_as_an_equinox_twin(built):
+def test_stats_logs_the_recorder_and_the_same_keys_as_an_equinox_twin(built):
     module, variables, x, _ = built["mlp"]
-    _, log = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.activation_stats())(x))(from_linen(module, variables), x)
-    close(log["Dense_0"]["mean"], jnp.mean(nn.Dense(5).apply({"params": variables["params"]["Dense_0"]}, x)))
+    stats = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.activation_stats())(x)[1])
+    converted = from_linen(module, variables)
+    dense = lambda x: nn.Dense(5).apply({"params": variables["params"]["Dense_0"]}, x)  # noqa: E731
+    recorder = px.Recorder(every=2)
+    for step in range(3):
+        log = stats(converted, x * (step + 1))
+        recorder.record(step, log)
+        close(log["Dense_0"]["mean"], jnp.mean(dense(x * (step + 1))))
+    # Steps 0 and 2 are kept.
+    close(recorder.layer_stats("Dense_0")["mean"], [jnp.mean(dense(x)), jnp.mean(dense(3 * x))])
 
     class Twin(eqx.Module):
         Dense_0: eqx.nn.Linear
