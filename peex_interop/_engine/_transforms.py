@@ -95,6 +95,17 @@ class _Body:
             probes.append({key: slots[key] for key in keys})
         return probes
 
+    def run_mapped(self, run: Callable[[list], Any], logs_of: Callable[[Any], list]) -> Any:
+        """Run a mapped transform (`run(probes)`) whose body slots are per
+        example/step/device, bring its logs out, and release the body."""
+        try:
+            probes = self.probes(run, logs_of)
+            result = run(probes)
+            self.finish(logs_of(result), probes)
+        finally:
+            self.release()
+        return result
+
     def finish(self, logs: list, probes: list, end: list | None = None) -> None:
         for context, counts, log, used in zip(self.contexts, end or self.end, logs, probes):
             context.counts = counts
@@ -142,13 +153,7 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
                     probes, *args, **kwargs
                 )
 
-            try:
-                probes = body.probes(run, lambda shapes: shapes[1])
-                out, logs = run(probes)
-                body.finish(logs, probes)
-            finally:
-                body.release()
-            return out
+            return body.run_mapped(run, lambda result: result[1])[0]
 
         return mapped
 
@@ -171,12 +176,7 @@ def threaded_scan(real_scan: Callable) -> Callable:
 
             return real_scan(scan_body, init, (xs, probes), **options)
 
-        try:
-            probes = body.probes(run, lambda shapes: shapes[1][1])
-            carry, (ys, logs) = run(probes)
-            body.finish(logs, probes)
-        finally:
-            body.release()
+        carry, (ys, _) = body.run_mapped(run, lambda result: result[1][1])
         return carry, ys
 
     return scan
@@ -462,13 +462,7 @@ def threaded_shard_map(real_shard_map: Callable) -> Callable:
                     **{**options, "in_specs": (per_device, *in_specs), "out_specs": (options["out_specs"], per_device)},
                 )(probes, *args)
 
-            try:
-                probes = body.probes(run, lambda shapes: shapes[1])
-                out, logs = run(probes)
-                body.finish(logs, probes)
-            finally:
-                body.release()
-            return out
+            return body.run_mapped(run, lambda result: result[1])[0]
 
         return sharded
 
