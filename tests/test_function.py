@@ -199,6 +199,30 @@ def test_zephyr_nets_kinds_and_layers_without_params():
     close(log["attn.q_proj"], linear(params["attn"]["q_proj"], log["norm"], 8))
 
 
+def test_params_passed_through_a_nested_jit_are_named_through_their_arrays(seed):
+    model, params, x = seed
+
+    def jitted(params, x):
+        # jax.jit rebuilds the params subtree from its own tracers.
+        return jax.jit(lambda p, x: decoder(p, x, 8, 6))(params["decoder"], x)
+
+    _, log = px.ForwardHook(from_function(jitted, params, layers=[mlp, linear]), log_fn=px.IdentityLog())(x)
+    expected = {k: v for k, v in by_hand(params, x).items() if k.startswith("decoder")}
+    assert set(log) == set(expected)
+    jax.tree.map(close, log, expected)
+
+
+def test_the_kinds_of_zephyrs_nets_name_real_functions():
+    import importlib
+
+    from peex_interop._adapters._function import default_kind, ZEPHYR_KINDS
+
+    for qualified, kind in ZEPHYR_KINDS.items():
+        module, name = qualified.rsplit(".", 1)
+        assert default_kind(getattr(importlib.import_module(module), name)) == kind
+    assert default_kind(dense) == "other"
+
+
 # -- transfer --------------------------------------------------------------------------------
 def test_transfer_between_a_zephyr_mlp_and_an_equinox_mlp():
     x = jax.random.normal(jax.random.key(1), (4, 3))
