@@ -40,15 +40,17 @@ class NearZeroLog(AbstractLog):
 
 
 class Histogram(eqx.Module):
-    """What `px.HistogramLog` logs for one array: counts in equal bins over `[low, high]`
-    and every value outside them counted, so that `counts.sum() + below + above + nan`
-    is the number of values (`total`).
+    """What `px.HistogramLog` logs for one array: counts in equal bins from `low` to
+    `high` and every value outside them counted, so that
+    `counts.sum() + below + above + nan` is the number of values (`total`).
 
     **Fields:**
 
-    - `counts`: the number of values in each bin (numpy's bins: each includes its left
-        edge, the last one both).
-    - `low`, `high`: the range of the bins (`edges` are their `bins + 1` edges).
+    - `counts`: the number of values in each bin: `counts` is exactly
+        `numpy.histogram(values, bins=edges)[0]` (each bin includes its left edge, the
+        last one both).
+    - `edges`: the `bins + 1` edges the values were counted against, equally spaced
+        from `low` to `high`.
     - `below`, `above`: the number of values below `low` and above `high` (`-inf`, `inf`
         included).
     - `nan`: the number of NaNs.
@@ -57,11 +59,20 @@ class Histogram(eqx.Module):
     """
 
     counts: Int[Array, "*batch bins"]
-    low: Float[Array, "*batch"]
-    high: Float[Array, "*batch"]
+    edges: Float[Array, "*batch bins+1"]
     below: Int[Array, "*batch"]
     above: Int[Array, "*batch"]
     nan: Int[Array, "*batch"]
+
+    @property
+    def low(self) -> Float[Array, "*batch"]:
+        """The lower end of the bins."""
+        return self.edges[..., 0]
+
+    @property
+    def high(self) -> Float[Array, "*batch"]:
+        """The upper end of the bins."""
+        return self.edges[..., -1]
 
     @property
     def outside(self) -> Int[Array, "*batch"]:
@@ -73,21 +84,21 @@ class Histogram(eqx.Module):
         """The number of values."""
         return self.counts.sum(axis=-1) + self.outside
 
-    @property
-    def edges(self) -> Float[Array, "*batch bins+1"]:
-        """The `bins + 1` bin edges, from `low` to `high`."""
-        return _linspace(self.low, self.high, self.counts.shape[-1])
-
 
 def _linspace(low: Any, high: Any, bins: int) -> Any:
-    # numpy.linspace's arithmetic in the range's precision, so that a value on an edge
-    # falls in the bin numpy puts it in. jnp.linspace rounds differently, and XLA would
-    # turn the division into a multiplication by 1 / bins and fuse the multiply-add:
-    # the barriers keep each operation rounded as numpy rounds it.
-    low, high = jnp.asarray(low), jnp.asarray(high)
-    step = (high - low)[..., None] / lax.optimization_barrier(jnp.asarray(bins, low.dtype))
-    edges = lax.optimization_barrier(jnp.arange(bins + 1, dtype=low.dtype) * step) + low[..., None]
-    return edges.at[..., -1].set(high)
+    # numpy.linspace's arithmetic in the range's precision, so that on CPU the edges are
+    # numpy's to the bit. jnp.linspace rounds differently, and XLA would turn a division
+    # by a constant (or a broadcast scalar, under vmap) into a multiplication by its
+    # reciprocal and fuse the multiply-add: a divisor computed from the data
+    # (`delta - delta + bins`, which XLA does not fold for floats) behind a barrier, and
+    # a barrier between the multiply and the add, keep each operation rounded as numpy
+    # rounds it. (XLA's GPU division is not correctly rounded, so there an edge can
+    # differ from numpy's in its last bit; the counts are exact for the edges logged, on
+    # every backend.)
+    delta = high - low
+    step = delta / lax.optimization_barrier(delta - delta + bins)
+    edges = lax.optimization_barrier(jnp.arange(bins + 1, dtype=low.dtype) * step) + low
+    return edges.at[-1].set(high)
 
 
 def _finite_range(x: Any, axis_name: Hashable | None) -> tuple[Any, Any]:
@@ -153,7 +164,7 @@ class HistogramLog(AbstractLog):
         inside = (x >= low) & (x <= high)
         counts = jnp.bincount(jnp.where(inside, index, self.bins), length=self.bins + 1)[: self.bins]
         below, above, nan = (jnp.sum(mask, dtype=counts.dtype) for mask in (x < low, x > high, jnp.isnan(x)))
-        return Histogram(counts, low, high, below, above, nan)
+        return Histogram(counts, edges, below, above, nan)
 
 
 class AbsMaxLog(AbstractLog):
@@ -214,20 +225,17 @@ def _is_histogram(value: Any) -> bool:
 
 
 def _pool_histogram(path: str, histogram: Histogram, axes: tuple[int, ...]) -> Histogram:
-    low, high = jnp.min(histogram.low, axes), jnp.max(histogram.high, axes)
-    differ = jnp.any(histogram.low != jnp.expand_dims(low, axes)) | jnp.any(
-        histogram.high != jnp.expand_dims(high, axes)
-    )
+    edges = histogram.edges[(0,) * len(axes)]
     counts = eqx.error_if(
         jnp.sum(histogram.counts, axes),
-        differ,
+        jnp.any(histogram.edges != edges),
         f"px.pool_stats: the histograms of layer {path!r} have different bins (each example's "
         "range follows its own values), so their counts cannot be added. Give "
         "px.HistogramLog / px.activation_stats an explicit range=(low, high), or vmap with "
         "axis_name='batch' and pass axis_name='batch' to it so that all examples share one range.",
     )
     below, above, nan = (jnp.sum(field, axes) for field in (histogram.below, histogram.above, histogram.nan))
-    return Histogram(counts, low, high, below, above, nan)
+    return Histogram(counts, edges, below, above, nan)
 
 
 def _pool(path: str, name: str, values: dict[str, Any], axes: tuple[int, ...]) -> Any:
