@@ -183,11 +183,6 @@ def layer_stack_reference(params, deltas, x):
     return x, {"lin": jnp.stack(ys)}
 
 
-def rows_loop_reference(params, deltas, xs):
-    """`STEPS` steps of a vmapped layer over rows: logs (step, row, W)."""
-    return loop_reference(lambda p, c: linear(p, "lin", c))(params, deltas, xs)
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     forward: Callable
@@ -205,11 +200,11 @@ class Case:
 
 STEP_SHAPE = {"lin": (STEPS, W)}
 BLOCK_SHAPE = {"lin": (W,)}
-step = lambda p, c: linear(p, "lin", c)
+layer_step = loop_reference(lambda p, c: linear(p, "lin", c))
 
 CASES = {
     "vmap": Case(vmap_fwd, block_reference, {"lin": (B, W)}, x_shape=(B, W)),
-    "scan": Case(scan_fwd, loop_reference(step), STEP_SHAPE),
+    "scan": Case(scan_fwd, layer_step, STEP_SHAPE),
     "map": Case(map_fwd, lambda p, d, xs: block_reference(p, d, xs), STEP_SHAPE, x_shape=(STEPS, W)),
     "cond_positional": Case(
         cond_positional_fwd, branches_reference(("a", "b"), lambda pred: 1 - pred.astype(int)),
@@ -223,22 +218,22 @@ CASES = {
         switch_fwd, branches_reference(("a", "b", "c"), lambda index: index),
         {n: (W,) for n in "abc"}, extra=(jnp.asarray(2),), nested_extra=(jnp.asarray([1, 0]),),
     ),
-    "fori_static": Case(fori_fwd, loop_reference(step), STEP_SHAPE),
+    "fori_static": Case(fori_fwd, layer_step, STEP_SHAPE),
     # Eager, concrete bounds make JAX itself use a scan: logs; under jit they are traced.
     "fori_traced": Case(
-        fori_fwd, loop_reference(step), STEP_SHAPE, extra=(jnp.asarray(STEPS),),
+        fori_fwd, layer_step, STEP_SHAPE, extra=(jnp.asarray(STEPS),),
         nested_extra=(None,), refused=("filter_jit",), init_refused=("eager",),
     ),
-    "while": Case(while_fwd, loop_reference(step), STEP_SHAPE, refused=MODES),
+    "while": Case(while_fwd, layer_step, STEP_SHAPE, refused=MODES),
     "remat": Case(remat_fwd, block_reference, BLOCK_SHAPE),
     "remat_static_argnums": Case(remat_static_fwd((1,)), remat_static_reference, BLOCK_SHAPE),
     "remat_negative_static_argnums": Case(remat_static_fwd((-1,)), remat_static_reference, BLOCK_SHAPE),
     "layer_stack": Case(layer_stack_fwd, layer_stack_reference, STEP_SHAPE),
     "jit_inside": Case(jit_inside_fwd, block_reference, BLOCK_SHAPE),
     # The issue's example: a threaded transform inside another one.
-    "vmap_in_fori": Case(vmap_in_fori_fwd, rows_loop_reference, {"lin": (STEPS, B, W)}, x_shape=(B, W)),
+    "vmap_in_fori": Case(vmap_in_fori_fwd, layer_step, {"lin": (STEPS, B, W)}, x_shape=(B, W)),
     "vmap_in_while": Case(
-        vmap_in_while_fwd, rows_loop_reference, {"lin": (STEPS, B, W)}, x_shape=(B, W), refused=MODES
+        vmap_in_while_fwd, layer_step, {"lin": (STEPS, B, W)}, x_shape=(B, W), refused=MODES
     ),
 }
 

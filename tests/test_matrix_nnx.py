@@ -250,9 +250,9 @@ CASES = {
     "checkpoint_static_argnums": Case(checkpoint_static_body((2,)), scaled_reference, BLOCK_SHAPE),
     "checkpoint_negative_static_argnums": Case(checkpoint_static_body((-1,)), scaled_reference, BLOCK_SHAPE),
     # The example: a threaded transform inside another one.
-    "vmap_in_fori": Case(vmap_in_fori_body, loop_reference(lambda m, i: m.lin), {"lin": (STEPS, B, W)}, x_shape=(B, W)),
+    "vmap_in_fori": Case(vmap_in_fori_body, layer_step, {"lin": (STEPS, B, W)}, x_shape=(B, W)),
     "vmap_in_while": Case(
-        vmap_in_while_body, loop_reference(lambda m, i: m.lin), {"lin": (STEPS, B, W)}, x_shape=(B, W), refused=MODES,
+        vmap_in_while_body, layer_step, {"lin": (STEPS, B, W)}, x_shape=(B, W), refused=MODES,
         passed_through=True,
     ),
     "nnx_jit_at_import": Case(
