@@ -22,7 +22,6 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from ._errors import HookError
@@ -218,7 +217,7 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
         src, dst = source.params.get(name), target.params.get(name)
         has_src = src is not None and src.value is not None
         has_dst = dst is not None and dst.value is not None
-        if has_src and not has_dst and not _is_zero(src.value):
+        if has_src and not has_dst:
             raise refuse(path, f"the source has a {name} and the destination has none")
         if has_dst and not has_src:
             zero = Param(jnp.zeros_like(dst.value), dst.axes)
@@ -226,11 +225,6 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
         elif has_dst:
             values[name] = convert(path, name, source, target)
     return values
-
-
-def _is_zero(value: Any) -> bool:
-    # A parameter that is concretely zero is the same layer as one without it.
-    return not isinstance(value, jax.core.Tracer) and not bool(jnp.any(value))
 
 
 def _unshift_zero(path: str, name: str, zero: Param, dst: Param, target: Layout) -> Any:

@@ -9,7 +9,6 @@ error naming the first diverging layer instead of returning a wrong model.
 """
 
 import dataclasses
-import re
 from typing import Any
 
 import equinox as eqx
@@ -22,9 +21,7 @@ from .._engine._hooking import hooking
 from .._engine._layouts import Container, fit, refuse
 from .._engine._paths import AbstractConverted, join, walk
 from .._engine._selection import Selection
-from ._align import Alignment, compare
-
-_REPEAT = re.compile(r"@\d+\Z")
+from ._align import _REPEAT, Alignment, compare
 
 
 class _Modules:
@@ -74,7 +71,9 @@ class _Side:
         return cls(model, state, {}).with_modules(inputs)
 
     def with_modules(self, inputs: tuple | None) -> "_Side":
-        self.modules = _called_modules(self.model, inputs) if inputs is not None else {}
+        # Only converted models keep facts outside their layers' objects.
+        converted = any(isinstance(node, AbstractConverted) for _, node in walk(self.model))
+        self.modules = _called_modules(self.model, inputs) if inputs is not None and converted else {}
         return self
 
     def locate(self, path: str) -> tuple[str, Any, tuple[str, ...], Any, str | None]:
