@@ -300,15 +300,12 @@ class _Call:
         )
 
 
-_calls_in_thread = _context.ThreadStack()
-
-
-def _calls() -> list[_Call]:
-    return _calls_in_thread.items
+# The NNX calls in progress in this thread, innermost last.
+_calls = _context.ThreadStack()
 
 
 def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
-    calls = _calls()
+    calls = _calls.items
     if not calls or not _context.active():
         return original(module, *args, **kwargs)
     call = calls[-1]
@@ -332,7 +329,7 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
         return
     paths = _paths(root)
     call = _Call(owner, root, {id(module): path for path, module in paths})
-    calls = _calls()
+    calls = _calls.items
     types = {type(module) for _, module in paths}
     with _patching.patched(_patching.call_patches(types, _route)):
         calls.append(call)
