@@ -13,12 +13,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._optional import needs
-from ._stats import Histogram
+from ._stats import Histogram, _is_histogram
 from ._table import AbstractTabular, Table
-
-
-def _is_histogram(value: Any) -> bool:
-    return isinstance(value, Histogram)
 
 
 def _tag(key_path: tuple) -> str:
