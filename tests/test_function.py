@@ -223,6 +223,20 @@ def test_the_kinds_of_zephyrs_nets_name_real_functions():
     assert default_kind(dense) == "other"
 
 
+def test_a_function_model_inside_an_equinox_model_logs_under_its_field(seed):
+    model, params, x = seed
+
+    class Wrapper(eqx.Module):
+        autoencoder: px.FunctionModule
+
+        def __call__(self, x):
+            return self.autoencoder(x, *HYPER)
+
+    _, log = px.ForwardHook(Wrapper(model), log_fn=px.IdentityLog(), where="autoencoder.decoder.*")(x)
+    assert set(log) == {"autoencoder.decoder.0", "autoencoder.decoder.1", "autoencoder.decoder.2"}
+    close(log["autoencoder.decoder.2"], autoencoder(params, x, *HYPER))
+
+
 # -- transfer --------------------------------------------------------------------------------
 def test_transfer_between_a_zephyr_mlp_and_an_equinox_mlp():
     x = jax.random.normal(jax.random.key(1), (4, 3))

@@ -561,6 +561,22 @@ def test_transfer_into_equinox_and_refusals(built):
         px.transfer_params(from_linen(cnn, cnn_variables), from_linen(cnn, cnn_variables), {"ConvTranspose_0": "ConvTranspose_0"}, inputs=cnn_x)
 
 
+def test_a_converted_model_inside_an_equinox_model_logs_under_its_field(built):
+    module, variables, x, _ = built["mlp"]
+
+    class Head(eqx.Module):
+        backbone: LinenModule
+        out: eqx.nn.Linear
+
+        def __call__(self, x):
+            return jax.vmap(self.out)(self.backbone(x))
+
+    model = Head(from_linen(module, variables), eqx.nn.Linear(2, 1, key=key(0)))
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="backbone.*")(x)
+    assert set(log) == {"backbone.Dense_0", "backbone.Dense_1"}
+    close(log["backbone.Dense_1"], module.apply(variables, x))
+
+
 # -- methods, errors, scoping, threads --------------------------------------------------------
 def test_other_methods_are_selectable():
     class Coder(nn.Module):
