@@ -152,7 +152,7 @@ class LinenModule(AbstractConverted):
 
         A copy whose other collections are unchanged.
         """
-        return eqx.tree_at(lambda m: m.variables, self, {**self.variables, **updates})
+        return eqx.tree_at(lambda m: m.variables, self, {**self.variables, **_plain(updates)})
 
     def with_rngs(self, rngs: Mapping[str, PRNGKeyArray] | None) -> "LinenModule":
         """The same model with other rngs for its next calls (e.g. a new dropout key per
