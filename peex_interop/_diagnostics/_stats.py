@@ -125,6 +125,9 @@ class HistogramLog(AbstractLog):
     `axis_name` and pass it here, so that all examples share one range (as
     `eqx.nn.BatchNorm` shares its statistics), or give an explicit `range`.
 
+    A forward log only: a `px.BackwardHook` log travels as a gradient, and gradients do
+    not carry integer counts.
+
     **Arguments:**
 
     - `bins`: the number of equal bins (fixed, so the log has a fixed shape under jit).
