@@ -24,6 +24,8 @@ Method:
   split state and `nnx.jit(nnx.grad(...))`.
 - Also reported: the bytes of the statistics a training step records, at two batch
   sizes, and each variant's jaxpr size (inputs, outputs, equations).
+- The findings section is computed from the run's own medians, jaxpr sizes and memory
+  rows (`findings`); the one piece of prose a run cannot check says so and is dated.
 
 Usage: `python benchmarks/bench.py [--quick] [--out docs/benchmarks.md]`.
 """
@@ -318,15 +320,14 @@ def nnx_variants(name):
     return calls
 
 
-def train_step(optimizer, batched, with_stats):
-    """A jitted training step (forward, grad, adam update) on a batch; with statistics,
-    the model is a `ForwardHook` with `px.activation_stats()` on every layer, and the
-    step also returns the statistics (pooled over the examples of a per-example model
-    with `px.pool_stats`)."""
+def train_step(optimizer, batched, hooked):
+    """A jitted training step (forward, grad, adam update) on a batch; a hooked model is a
+    `ForwardHook`, and the step also returns its statistics (pooled over the examples of
+    a per-example model with `px.pool_stats`)."""
 
     def loss(model, x):
         out = jax.vmap(model)(x) if batched else model(x)
-        out, log = out if with_stats else (out, {})
+        out, log = out if hooked else (out, {})
         log = px.pool_stats(log, 1) if batched else log
         return jnp.mean(out**2), log
 
@@ -340,21 +341,40 @@ def train_step(optimizer, batched, with_stats):
     return step
 
 
-def with_stats(model):
-    return px.ForwardHook(model, log_fn=px.activation_stats())
+def with_stats(model, names=None):
+    """The model logging `px.activation_stats()` on every layer, or only its statistics
+    `names` (`()`: identity hooks, no log)."""
+    stats = px.activation_stats()
+    if names is None:
+        return px.ForwardHook(model, log_fn=stats)
+    if not names:
+        return px.ForwardHook(model)
+    return px.ForwardHook(model, log_fn=px.StatsLog({k: stats.logs[k] for k in names}))
+
+
+# The training step's statistics added one at a time (variant -> statistics), so that
+# the findings can split the cost of `activation_stats` between hooks and statistics.
+TRAIN_PARTS = {
+    "train identity": (),
+    "train mean": ("mean",),
+    "train mean+std": ("mean", "std"),
+    "train mean+std+near_zero": ("mean", "std", "near_zero"),
+}
 
 
 def train_variants(name):
-    """The training step with statistics on every layer, and without hooks; and ten
-    steps with statistics on one of them (`Recorder(every=10)`, `Recorder.due` choosing
+    """The training step with statistics on every layer, with parts of them
+    (`TRAIN_PARTS`), and without hooks; and ten steps with statistics on one of them (`Recorder(every=10)`, `Recorder.due` choosing
     the step variant), against ten plain steps."""
     model, x, batched = make_model(name)
     optimizer = optax.adam(1e-3)
     calls = {}
-    for variant, stats in (("train stats", True), ("train plain", False)):
-        model_ = with_stats(model) if stats else model
+    hooked = {"train stats": with_stats(model), "train plain": model}
+    hooked |= {variant: with_stats(model, names) for variant, names in TRAIN_PARTS.items()}
+    for variant, model_ in hooked.items():
         opt_state = optimizer.init(eqx.filter(model_, eqx.is_inexact_array))
-        calls[variant] = partial(train_step(optimizer, batched, stats), model_, opt_state, x)
+        step = train_step(optimizer, batched, variant != "train plain")
+        calls[variant] = partial(step, model_, opt_state, x)
     recorder = px.Recorder(every=10)
 
     def ten_steps(due):
@@ -431,19 +451,27 @@ def count_equations(jaxpr):
     return total
 
 
-def jaxpr_table():
-    """Inputs, outputs and equations of each variant's jitted function."""
-    lines = [
-        "| model | variant | jaxpr inputs | outputs | equations |",
-        "|---|---|---:|---:|---:|",
-    ]
+def jaxpr_sizes():
+    """(model, variant) -> (inputs, outputs, equations) of each variant's jitted function."""
+    sizes = {}
     for name in JAXPR_MODELS:
         calls = MODELS[name][0](name)
         for variant in JAXPR_VARIANTS:
             if variant in calls:
                 jaxpr = jitted_jaxpr(calls[variant])
-                lines.append(f"| {name} | {variant} | {len(jaxpr.invars)} | "
-                             f"{len(jaxpr.outvars)} | {count_equations(jaxpr)} |")
+                sizes[name, variant] = (
+                    len(jaxpr.invars), len(jaxpr.outvars), count_equations(jaxpr)
+                )
+    return sizes
+
+
+def jaxpr_table(sizes):
+    lines = [
+        "| model | variant | jaxpr inputs | outputs | equations |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for (name, variant), (inputs, outputs, equations) in sizes.items():
+        lines.append(f"| {name} | {variant} | {inputs} | {outputs} | {equations} |")
     return "\n".join(lines)
 
 
@@ -536,7 +564,7 @@ NNX_GROUPS = [
     FORWARD + ["raw nnx.jit", "capture log", "unhooked"],
     GRAD + ["grad nnx.jit", "grad unhooked"],
 ]
-TRAIN = ["train stats", "train plain"]
+TRAIN = ["train stats", "train plain", *TRAIN_PARTS]
 TRAIN_TEN = ["train stats every 10", "train plain x10"]
 MODELS = {
     "seed MLP": (equinox_variants, [FORWARD + ["peex log"], GRAD]),
@@ -552,46 +580,156 @@ MODELS = {
 FIRST_CALL_MODELS = ["seed MLP", "transformer"]
 
 
-FINDINGS = """## Why rows are over target
+def span(values, digits=2):
+    """`a` or `a-b` of the smallest and largest of `values`."""
+    values = list(values)
+    low, high = min(values), max(values)
+    return f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else (
+        f"{low:.{digits}f}-{high:.{digits}f}"
+    )
 
-- **Identity hooks compile to the raw computation.** The identity-hooked jaxpr has the
-  same inputs and equations as the raw and the unhooked converted one (table above, for
-  Equinox, Haiku and NNX): the hooks cost nothing inside the compiled step. What the
-  identity-hooked / raw rows measure is the call: `eqx.filter_jit` partitions and
-  flattens the (converted, wrapped) pytree on every call, and returns one extra output
-  (its marker), where `jax.jit` of a params dict or an `nnx.split` state takes a flat
-  list. On these small CPU models that dispatch overhead (tens to a couple of hundred
-  µs) is a visible fraction of the step; the "dispatch" rows and the hooked / unhooked
-  rows (both `eqx.filter_jit`, close to 1) split each converted ratio into the two.
-  Under `jax.jit` of the same leaves, the hooked Haiku MLP ran at 1.01 of the native
-  one (earlier measurement). Against `nnx.jit`, whose own Python-side graph traversal
-  costs more per call than `eqx.filter_jit`, the hooked converted model is faster.
-- **Log-everything adds outputs, not equations.** Its jaxpr has the raw equations and one
-  output per logged layer; each logged activation must be written to its own output
-  buffer instead of being fused away, and returned. The native baselines do the same
-  work: `nnx.capture(method_outputs=...)` under `jax.jit` has the same equation count
-  and as many outputs as log-everything (it also returns the root's output), so the
-  log-everything / `nnx.capture` ratio is again the `eqx.filter_jit` dispatch cost;
-  `hk.intercept_methods` logging likewise.
-- **Backward-logged grad steps add one input and one output per layer** (the cotangent
-  slots the engine differentiates against) and a few equations (one add per slot);
-  the rest of the ratio is dispatch. Against `nnx.jit(nnx.grad(...))` the converted
-  grad step is faster.
-- **The training step with `px.activation_stats()` on every layer, every step, is over
-  1.10 on CPU, and the cost is the statistics themselves, not the hooks.** Measured
-  separately on the Equinox 12-layer MLP (batch 256): identity hooks alone add ~15%
-  (identical jaxpr: dispatch); mean, standard deviation and near-zero fraction each
-  add 20-40%: they read every activation of every layer of a tiny network. The 40-bin
-  histogram was the largest part (~220% with `jnp.histogram`, a `searchsorted` loop plus
-  a scatter-add); `HistogramLog` now bins directly and counts with `jnp.bincount`
-  (identical counts, ~2x faster). Compute the statistics only on the steps the
-  recorder keeps: the "10 train steps" row runs the hooked step on step 0 and the plain
-  step on the 9 others (`Recorder(every=10).due(step)` choosing the step), which is how
-  the docs recommend it. The recorded statistics are small and do not grow with the
-  batch (memory table), provided per-example statistics are pooled inside the step
-  (`px.pool_stats`).
-- First calls of log-everything trace and compile one extra output per layer.
-"""
+
+def ratios(steady, variant, baseline):
+    """model -> median ratio variant / baseline, for the models that have both."""
+    return {m: v[variant] / v[baseline] for m, v in steady.items()
+            if variant in v and baseline in v}
+
+
+def named(models):
+    return ", ".join(models) if models else "none"
+
+
+def findings(rows, steady, first, sizes, memory):
+    """The findings section: every number and comparison in it is computed from this
+    run's medians, jaxpr sizes and memory rows; prose that a run cannot check is marked
+    with the date of the measurement behind it."""
+    over = [r for r in rows if r[-1] == "over"]
+    lines = [
+        "## Findings",
+        "",
+        "Computed by `benchmarks/bench.py` from this run's numbers above.",
+        "",
+        f"- **Rows over target: {len(over)} of {sum(r[-1] != 'report' for r in rows)} "
+        "checked rows.**",
+    ]
+
+    def size(model, variant):
+        return sizes.get((model, variant))
+
+    # Identity hooks: the compiled step against the call.
+    same, differ = [], []
+    for model in JAXPR_MODELS:
+        base = size(model, "unhooked") or size(model, "raw")
+        if size(model, "identity") and base:
+            ident = size(model, "identity")
+            (same if (ident[0], ident[2]) == (base[0], base[2]) else differ).append(model)
+    dispatch = ratios(steady, "unhooked", "raw")
+    hook_only = ratios(steady, "identity", "unhooked")
+    parts = []
+    if same or differ:
+        parts.append(
+            "The identity-hooked jaxpr has the same inputs and equations as the unhooked "
+            f"(or raw) one for {named(same)}; it differs for {named(differ)}."
+        )
+    if dispatch and hook_only:
+        parts.append(
+            "Split of the converted models' identity-hooked / raw ratios "
+            f"({span(ratios(steady, 'identity', 'raw')[m] for m in dispatch)}): "
+            f"`eqx.filter_jit` dispatch of the unhooked converted model / raw `jax.jit` "
+            f"{span(dispatch.values())}, identity-hooked / unhooked (both "
+            f"`eqx.filter_jit`) {span(hook_only.values())}."
+        )
+    against_nnx_jit = ratios(steady, "identity", "raw nnx.jit")
+    if against_nnx_jit:
+        faster = all(r < 1 for r in against_nnx_jit.values())
+        parts.append(
+            f"Against `nnx.jit` the identity-hooked converted model runs at "
+            f"{span(against_nnx_jit.values())} ({'faster' if faster else 'not always faster'})."
+        )
+    if parts:
+        lines.append("- **Identity hooks in the compiled step.** " + " ".join(parts))
+
+    # Log-everything: outputs, not equations.
+    parts = []
+    for model in JAXPR_MODELS:
+        log, raw = size(model, "log"), size(model, "unhooked") or size(model, "raw")
+        if not (log and raw):
+            continue
+        part = (f"{model}: {log[2]} equations against {raw[2]}, {log[1]} outputs against "
+                f"{raw[1]}")
+        for native in ("native log", "capture log"):
+            if size(model, native):
+                part += (f" (native log: {size(model, native)[2]} equations, "
+                         f"{size(model, native)[1]} outputs)")
+        parts.append(part)
+    if parts:
+        text = "- **Log-everything's jaxpr** (`eqx.filter_jit` adds one output, a marker): "
+        text += "; ".join(parts) + "."
+        native = ratios(steady, "log", "native log") | ratios(steady, "log", "capture log")
+        if native:
+            text += (f" Log-everything / native log: {span(native.values())}; the same "
+                     f"models' unhooked dispatch ratio: "
+                     f"{span(dispatch[m] for m in native if m in dispatch)}.")
+        lines.append(text)
+
+    # Backward: slots.
+    parts = []
+    for model in JAXPR_MODELS:
+        logged, plain = size(model, "grad logged"), size(model, "grad unhooked") or size(
+            model, "grad raw")
+        if logged and plain:
+            parts.append(f"{model}: +{logged[0] - plain[0]} inputs, "
+                         f"+{logged[1] - plain[1]} outputs, +{logged[2] - plain[2]} equations")
+    if parts:
+        text = ("- **Backward-logged grad steps against the unhooked (or plain) grad "
+                "step's jaxpr**: " + "; ".join(parts) + ".")
+        grad_hook_only = ratios(steady, "grad logged", "grad unhooked")
+        if grad_hook_only:
+            text += (f" Backward-logged / unhooked grad step (both `eqx.filter_jit`): "
+                     f"{span(grad_hook_only.values())}.")
+        against = ratios(steady, "grad logged", "grad nnx.jit")
+        if against:
+            text += f" Against `nnx.jit(nnx.grad(...))`: {span(against.values())}."
+        lines.append(text)
+
+    # Training step: the statistics' share.
+    for model, medians in steady.items():
+        if "train plain" not in medians or "train stats" not in medians:
+            continue
+        plain = medians["train plain"]
+        text = (f"- **Training step with `px.activation_stats()` on every layer ({model})**: "
+                f"{medians['train stats'] / plain:.2f}x the plain step")
+        # Each variant adds one statistic to the previous one (the last: the histogram).
+        steps = [(k, f"+ {names[-1]}" if names else "identity hooks")
+                 for k, names in TRAIN_PARTS.items() if k in medians]
+        if steps:
+            added, previous = [], plain
+            for variant, label in [*steps, ("train stats", "+ hist")]:
+                added.append(f"{label} {100 * (medians[variant] - previous) / plain:+.0f}%")
+                previous = medians[variant]
+            text += " (each part's cost, as a share of the plain step: " + ", ".join(added) + ")"
+        if "train stats every 10" in medians:
+            text += (f"; statistics on every 10th step (`Recorder(every=10).due`): "
+                     f"{medians['train stats every 10'] / medians['train plain x10']:.2f}x "
+                     "ten plain steps")
+        lines.append(text + ".")
+    if memory:
+        fixed = [label for label, sizes_ in memory if len(set(sizes_)) == 1]
+        growing = [label for label, sizes_ in memory if len(set(sizes_)) > 1]
+        lines.append(f"- **Recorded statistics independent of the batch**: {named(fixed)}; "
+                     f"growing with it: {named(growing)}.")
+    first_ratios = {(m, v): f[v] / f["raw"] for m, f in first.items() for v in ("identity", "log")}
+    if first_ratios:
+        lines.append("- **First calls** (trace + compile + run) / raw: " + "; ".join(
+            f"{v} {m} {r:.2f}" for (m, v), r in first_ratios.items()) + ".")
+    lines.append(
+        "- *Dated note, an earlier measurement, not from this run (2026-11-29, Equinox "
+        "12-layer MLP, batch 256):* with a 40-bin histogram through `jnp.histogram` (a "
+        "`searchsorted` loop plus a scatter-add) the statistics added about 220% to the "
+        "plain step; `HistogramLog` bins directly and counts with `jnp.bincount` instead "
+        "(identical counts, about 2x faster then)."
+    )
+    return "\n".join(lines) + "\n"
 
 
 def row(spec, model, medians):
@@ -691,7 +829,9 @@ def header(reps, first_reps, wall):
         "the mean squared output and an `optax.adam` update, returning the updated model; "
         "with stats, the model is `px.ForwardHook(model, log_fn=px.activation_stats())` "
         "(every layer; mean, std, near-zero, 40-bin histogram) and the step returns the "
-        "statistics pooled over the batch with `px.pool_stats`. \"~1\" targets are "
+        "statistics pooled over the batch with `px.pool_stats`; the step is also timed "
+        "with the statistics added one at a time (identity hooks, mean, std, near-zero) "
+        "for the findings. \"~1\" targets are "
         "reported, not checked.\n\n"
         "Regenerate with `make bench` (`--quick` for a smoke test).\n"
     )
@@ -714,15 +854,17 @@ def main():
     first = {model: first_call_medians(model, first_reps) for model in FIRST_CALL_MODELS}
     rows = [row(spec, model, m) for spec in STEADY_ROWS for model, m in steady.items()]
     rows += [row(spec, model, m) for spec in FIRST_CALL_ROWS for model, m in first.items()]
+    rows = [r for r in rows if r is not None]
+    memory, sizes = memory_rows(), jaxpr_sizes()
     text = "\n\n".join([
-        table([r for r in rows if r is not None]),
+        table(rows),
         "Memory of the recorded statistics (`sum(x.nbytes for x in jax.tree.leaves(log))` "
         "of the log one training step returns):",
-        memory_table(memory_rows()),
+        memory_table(memory),
         "The jitted functions at the jaxpr level (`jax.make_jaxpr`; nested jit bodies "
         "inlined; `eqx.filter_jit` adds one output, a marker):",
-        jaxpr_table(),
-        FINDINGS,
+        jaxpr_table(sizes),
+        findings(rows, steady, first, sizes, memory),
     ])
     print(text)
     if args.out:
