@@ -501,3 +501,24 @@ def test_gru_cells_transfer_exactly_where_the_libraries_agree():
     for other in (equinox, nnx_gru):
         with pytest.raises(px.HookError, match=r"cannot map layer 'gru'.*reset gate"):
             px.transfer_params(gru, other, {"gru": "cell"}, inputs=xs)
+
+
+def test_statistics_into_a_state_kept_apart_are_returned_with_the_model():
+    x, models = batch_norm()
+    source = perturbed(models["haiku"], 0)
+    apart = eqx.nn.Sequential([eqx.nn.Linear(4, 5, key=jax.random.key(1)), models["equinox"].bn])
+    port, state = px.transfer_params(source, apart, {"linear": "layers.0", "bn": "layers.1"}, dst_state=models["equinox"].state)
+    mean, var = state.get(port.layers[1].ema_state_index)
+    np.testing.assert_array_equal(mean, jnp.ravel(source.state["bn/~/mean_ema"]["average"]))
+    np.testing.assert_array_equal(var, jnp.ravel(source.state["bn/~/var_ema"]["average"]))
+    np.testing.assert_array_equal(port.layers[1].weight, jnp.ravel(source.params["bn"]["scale"]))
+    # The caller's State is untouched (Equinox invalidates a State that is set).
+    assert models["equinox"].state.get(port.layers[1].ema_state_index)[0] is not None
+
+
+def test_a_haiku_attention_with_other_heads_is_refused_once_its_class_is_known():
+    x, models = attention(True)()
+    four_heads = haiku(lambda x: hk.MultiHeadAttention(4, 2, w_init=hk.initializers.VarianceScaling(), name="mha")(x, x, x), x)
+    mapping = px.align(four_heads, models["equinox"], x).mapping
+    with pytest.raises(px.HookError, match=r"layer 'attn.query_proj'.*axis 'heads' has size 4 in the source, 2 in the destination"):
+        px.transfer_params(four_heads, models["equinox"], mapping, inputs=x)
