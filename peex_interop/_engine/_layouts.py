@@ -56,8 +56,9 @@ class Param:
 
     value: Any
     axes: Axes
-    # What the library adds to the stored value when it uses it, per atom index (Haiku's
-    # LSTM adds 1 to the forget gate's bias): converted values are compared without it.
+    # Constants the library adds to the stored value when it uses it, as (atom, member,
+    # constant): Haiku's LSTM adds 1 to the forget gate's bias, `("gate", "f", 1.0)`.
+    # Conversion carries the value used, not the value stored.
     shift: tuple[tuple[str, str, float], ...] = ()
 
 
@@ -158,11 +159,11 @@ def convert(path: str, name: str, source: Layout, target: Layout) -> Any:
     if missing:
         raise refuse(path, f"{name}: the size of axes {missing} is known to neither side")
     value = jnp.reshape(src.value, src_stack + tuple(merged[a] for a in _atoms(src.axes)))
-    value = _unshift(value, src, len(src_stack), merged, source.orders, -1)
+    value = _shifted(value, src, len(src_stack), source.orders, +1)
     value = _reorder(path, name, value, _atoms(src.axes), len(src_stack), source.orders, target.orders)
     order = [_atoms(src.axes).index(atom) for atom in _atoms(dst.axes)]
     value = jnp.transpose(value, (*range(len(src_stack)), *(len(src_stack) + i for i in order)))
-    value = _unshift(value, dst, len(dst_stack), merged, target.orders, +1)
+    value = _shifted(value, dst, len(dst_stack), target.orders, -1)
     value = jnp.reshape(value, dst.value.shape)
     return value.astype(dst.value.dtype)
 
@@ -179,14 +180,14 @@ def _reorder(path: str, name: str, value: Any, atoms: list[str], lead: int, src_
     return value
 
 
-def _unshift(value: Any, param: Param, lead: int, sizes: dict[str, int], orders: dict, sign: int) -> Any:
-    """Remove (`sign=-1`) or restore (`+1`) the constants a library adds to a stored
-    parameter when it uses it. `value` is in atoms, in `param`'s atom order."""
+def _shifted(value: Any, param: Param, lead: int, orders: dict, sign: int) -> Any:
+    """The value a library uses (`sign=+1`: stored plus its constants) or stores
+    (`sign=-1`: used minus them). `value` is in atoms, in `param`'s atom order."""
     atoms = _atoms(param.axes)
     for atom, member, constant in param.shift:
         index = [slice(None)] * value.ndim
         index[lead + atoms.index(atom)] = orders[atom].index(member)
-        value = value.at[tuple(index)].add(sign * -constant)
+        value = value.at[tuple(index)].add(sign * constant)
     return value
 
 
@@ -221,13 +222,13 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
             raise refuse(path, f"the source has a {name} and the destination has none")
         if has_dst and not has_src:
             zero = Param(jnp.zeros_like(dst.value), dst.axes)
-            values[name] = _unshift_zero(path, name, zero, dst, target)
+            values[name] = _zero(path, name, zero, dst, target)
         elif has_dst:
             values[name] = convert(path, name, source, target)
     return values
 
 
-def _unshift_zero(path: str, name: str, zero: Param, dst: Param, target: Layout) -> Any:
+def _zero(path: str, name: str, zero: Param, dst: Param, target: Layout) -> Any:
     # A layer without this parameter behaves as one whose used value is 0: what the
     # destination stores is 0 minus what it adds.
     if not dst.shift:
