@@ -522,3 +522,21 @@ def test_a_haiku_attention_with_other_heads_is_refused_once_its_class_is_known()
     mapping = px.align(four_heads, models["equinox"], x).mapping
     with pytest.raises(px.HookError, match=r"layer 'attn.query_proj'.*axis 'heads' has size 4 in the source, 2 in the destination"):
         px.transfer_params(four_heads, models["equinox"], mapping, inputs=x)
+
+
+class WithHead(eqx.Module):
+    inner: eqx.Module
+    head: eqx.nn.Linear
+
+    def __call__(self, xs):
+        return jax.vmap(self.head)(self.inner(xs))
+
+
+def test_a_converted_model_inside_an_equinox_model():
+    xs, models = lstm()
+    source = WithHead(perturbed(models["haiku"], 3), eqx.nn.Linear(5, 2, key=jax.random.key(0)))
+    destination = WithHead(models["equinox"], eqx.nn.Linear(5, 2, key=jax.random.key(1)))
+    mapping = px.align(source, destination, xs).mapping
+    assert mapping["inner.lstm@7"] == "inner.cell@7" and mapping["head"] == "head"
+    port = px.transfer_params(source, destination, mapping, inputs=xs, tolerance=1e-4)
+    np.testing.assert_allclose(port(xs), source(xs), rtol=1e-4, atol=1e-4)

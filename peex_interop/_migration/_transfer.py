@@ -91,8 +91,9 @@ class _Side:
         return path, nodes[path], (), nodes.get(parent), field
 
     def local_modules(self, prefix: str) -> dict[tuple[str, ...], Any]:
-        start = len(prefix) + 1 if prefix else 0
-        return {tuple(p[start:].split(".")): m for p, m in self.modules.items() if p.startswith(prefix)}
+        if not prefix:
+            return {tuple(p.split(".")): m for p, m in self.modules.items()}
+        return {tuple(p[len(prefix) + 1:].split(".")): m for p, m in self.modules.items() if p.startswith(prefix + ".")}
 
     def read(self, path: str) -> Any:
         prefix, node, local, parent, field = self.locate(path)
