@@ -176,8 +176,13 @@ def run_case(name, host_cls, mode, nested):
     refused = case.reference is None or (case.refused_under_jit and (mode == "filter_jit" or nested))
     forward = px.ForwardHook(outer, log_fn=px.IdentityLog(), where="host.layer")
     if refused:
-        with jax.checking_leaks(), pytest.raises(px.TransformError, match="host.layer|Linear"):
-            call(forward, x)
+        editing = px.ForwardHook(outer, hook_fn=lambda y: y + 1.0, where="host.layer")
+        backward = px.BackwardHook(outer, log_fn=px.IdentityLog(), where="host.layer")
+        for hooked in (forward, editing):
+            with jax.checking_leaks(), pytest.raises(px.TransformError, match="host.layer|Linear"):
+                call(hooked, x)
+        with pytest.raises(px.TransformError, match="host.layer|Linear"):
+            backward.init(x)
         return
     delta = jnp.zeros((len(XS), *case.log_shape) if nested else case.log_shape)
     ref_out, ref_log = reference(outer, x, delta)

@@ -287,38 +287,13 @@ def build(case: Case, where: str) -> tuple:
 
 built = functools.cache(lambda name, where: build(CASES[name], where))
 
-# Cases that fail today because of engine/adapter bugs (reported): the tests assert the
-# required behaviour and flip to passing (strict xfail then fails) once fixed.
-EVAL_SHAPE = (
-    "engine bug: nnx.fori_loop (graph mode) first runs its body under jax.eval_shape, "
-    "which the engine does not thread: even with static bounds, a module in the carry "
-    "raises HookError 'cannot name the Linear ...' (edits too), a closed-over one "
-    "TransformError (\"'jit' transform\")"
-)
-UNNAMED = (
-    "engine bug: a module received by a transform the engine does not thread (a "
-    "while_loop carry, a jit created before hooking) raises HookError 'cannot name the "
-    "Linear called from NNX path ...', not TransformError naming the layer and the "
-    "transform (as Equinox's _refuse_if_passed_through does), for logs and edits alike"
-)
-KNOWN_BUGS = {
-    "fori_static": EVAL_SHAPE,
-    "fori_static_closure": EVAL_SHAPE,
-    "fori_traced": EVAL_SHAPE,
-    "vmap_in_fori": EVAL_SHAPE,
-    "while": UNNAMED,
-    "vmap_in_while": UNNAMED,
-    "nnx_jit_at_import": UNNAMED,
-    "jax_jit_at_import": UNNAMED,
-}
 
 
 def matrix():
     for name in sorted(CASES):
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])] if name in KNOWN_BUGS else []
         for where in ("around", "nested"):
             for mode in MODES:
-                yield pytest.param(name, where, mode, marks=marks, id=f"{name}-{where}-{mode}")
+                yield pytest.param(name, where, mode, id=f"{name}-{where}-{mode}")
 
 
 @pytest.mark.parametrize("name, where, mode", list(matrix()))

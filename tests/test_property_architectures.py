@@ -125,16 +125,17 @@ def test_every_layer_call_is_logged_or_refused(program, jit):
     _expected(model.program, (), jit, shapes, refused)
     event("refused" if refused else f"logged {len(shapes)} layer(s), {max(map(len, shapes.values())) - 1} stack axes")
     plain = call(model, X)
+    logged = px.ForwardHook(model, log_fn=px.IdentityLog())
+    if refused:
+        # Even hooks that only look: a selected call is hooked or refused.
+        for hooked in (px.ForwardHook(model), logged):
+            with jax.checking_leaks(), pytest.raises(px.TransformError):
+                call(hooked, X)
+        return
     with jax.checking_leaks():
-        # Hooks that only look (no logs) change nothing, even where logs are refused.
         hooked_out, log = call(px.ForwardHook(model), X)
     np.testing.assert_array_equal(hooked_out, plain)
     assert log == {}
-    logged = px.ForwardHook(model, log_fn=px.IdentityLog())
-    if refused:
-        with jax.checking_leaks(), pytest.raises(px.TransformError):
-            call(logged, X)
-        return
     with jax.checking_leaks():
         out, log = call(logged, X)
     np.testing.assert_array_equal(out, plain)

@@ -1,5 +1,7 @@
 """The transform matrix, around and inside hooked models, under `jax.checking_leaks()`."""
 
+from types import SimpleNamespace
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -7,11 +9,7 @@ import numpy as np
 import pytest
 
 import peex_interop as px
-from models import Deep, transformer, tokens
-
-
-def close(a, b, tol=1e-5):
-    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+from models import Deep, close, transformer, tokens
 
 
 def hooked_call(hooked, x):
@@ -31,34 +29,41 @@ AROUND = {
 }
 
 
-@pytest.mark.parametrize("transform", sorted(AROUND))
-@pytest.mark.parametrize("make", ["deep", "transformer"])
-def test_around_gives_eager_values(transform, make):
-    model, x = (Deep(key=jax.random.key(0)), jnp.arange(3.0)) if make == "deep" else (transformer(), tokens())
-    hooked = px.ForwardHook(model, log_fn=px.IdentityLog())
-    ref_out, ref_log = hooked(x)
-    with jax.checking_leaks():
-        out, log = AROUND[transform](hooked, x)
-    close(out, model(x))
-    assert set(log) == set(ref_log)
-    jax.tree.map(close, log, ref_log)
-
-
-@pytest.mark.parametrize("make", ["deep", "transformer"])
-def test_vmap_around_stacks_per_example(make):
-    if make == "deep":
+@pytest.fixture(scope="module", params=["deep", "transformer"])
+def case(request):
+    """A model, an input, a batch of inputs, the model hooked to log every layer, and
+    the eager hooked output and log every transform must reproduce (computed once)."""
+    if request.param == "deep":
         model, xs = Deep(key=jax.random.key(0)), jax.random.normal(jax.random.key(1), (4, 3))
     else:
         model, xs = transformer(), jnp.stack([tokens(k) for k in range(4)])
     hooked = px.ForwardHook(model, log_fn=px.IdentityLog())
+    out, log = hooked(xs[0])
+    close(out, model(xs[0]))
+    return SimpleNamespace(model=model, x=xs[0], xs=xs, hooked=hooked, out=out, log=log)
+
+
+@pytest.mark.parametrize("transform", sorted(AROUND))
+def test_around_gives_eager_values(transform, case):
     with jax.checking_leaks():
-        out, log = jax.vmap(hooked)(xs)
-        out_f, log_f = eqx.filter_vmap(hooked)(xs)
-    for i in range(4):
-        ref_out, ref_log = hooked(xs[i])
+        out, log = AROUND[transform](case.hooked, case.x)
+    close(out, case.out)
+    assert set(log) == set(case.log)
+    jax.tree.map(close, log, case.log)
+
+
+def test_vmap_around_stacks_per_example(case):
+    with jax.checking_leaks():
+        out, log = jax.vmap(case.hooked)(case.xs)
+        out_f, log_f = eqx.filter_vmap(case.hooked)(case.xs)
+    # Per example, the jitted hooked call (equal to the eager one, above) as reference.
+    reference = eqx.filter_jit(hooked_call)
+    out, log, out_f, log_f = jax.tree.map(np.asarray, (out, log, out_f, log_f))
+    for i in range(len(case.xs)):
+        ref_out, ref_log = reference(case.hooked, case.xs[i])
         close(out[i], ref_out)
-        jax.tree.map(lambda a, b: close(a[i], b), log, ref_log)
-        jax.tree.map(lambda a, b: close(a[i], b), log_f, ref_log)
+        jax.tree.map(lambda a, b, i=i: close(a[i], b), log, ref_log)
+        jax.tree.map(lambda a, b, i=i: close(a[i], b), log_f, ref_log)
 
 
 def test_scan_around_stacks_per_step():
@@ -84,7 +89,7 @@ def test_grad_around_with_logs_as_aux():
 
     with jax.checking_leaks():
         grads, log = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))(hooked)
-    ref = eqx.filter_grad(lambda m: jnp.sum(m(t) ** 2))(model)
+    ref = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(t) ** 2)))(model)
     jax.tree.map(close, eqx.filter(grads.model, eqx.is_array), eqx.filter(ref, eqx.is_array))
     jax.tree.map(close, log, hooked(t)[1])
 
@@ -155,15 +160,17 @@ class Untreaded(eqx.Module):
     lin: eqx.nn.Linear
 
     def __call__(self, xs):
-        return jax.lax.map(self.lin, xs)
+        # A while_loop cannot return stacked per-step values: logs are refused.
+        return jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, self.lin(c[1])), (0, xs))[1]
 
 
 def test_untreaded_transform_raises_naming_the_layer():
     model = Untreaded(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
-    xs = jnp.ones((2, 3))
-    with pytest.raises(px.TransformError, match=r"layer 'lin'.*'scan' transform"):
+    xs = jnp.ones(3)
+    with pytest.raises(px.TransformError, match=r"\['lin'\].*'while_body' transform"):
         px.ForwardHook(model, log_fn=px.IdentityLog())(xs)
-    # Without logs nothing needs threading: hooks still run.
-    out, log = px.ForwardHook(model, hook_fn=lambda y: 2 * y)(xs)
-    close(out, 2 * model(xs))
-    assert log == {}
+    # Edits are refused too (a trace under an unthreaded transform may be replayed).
+    with pytest.raises(px.TransformError, match=r"\['lin'\]"):
+        px.ForwardHook(model, hook_fn=lambda y: 2 * y)(xs)
+    # A selection that leaves the layer out runs.
+    close(px.ForwardHook(model, hook_fn=lambda y: 2 * y, where=lambda path, module: False)(xs)[0], model(xs))

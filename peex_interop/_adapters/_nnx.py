@@ -262,6 +262,7 @@ class _Call:
         if path is None:
             path = self._by_arrays(module)
         if path is None:
+            _context.refuse_if_passed_through(type(module).__name__, [v for _, v in _variables(module)])
             raise HookError(self._unnamed(module))
         return path
 

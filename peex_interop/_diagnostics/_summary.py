@@ -61,6 +61,7 @@ class _SiteFacts:
     """A policy that records static facts of every call site (shapes, types, counts)."""
 
     selection = Selection()
+    observes_values = False  # only shapes, types and counts: fine under any transform
 
     def __init__(self):
         self.rows: list[LayerRow] = []
@@ -117,8 +118,8 @@ def summary(model: Any, *args: Any, **kwargs: Any) -> Summary:
     facts = _SiteFacts()
 
     def run(model, args, kwargs):
-        with hooking(model, facts):
-            return model(*args, **kwargs)
+        with hooking(model, facts) as context:
+            return context.root(*args, **kwargs)
 
     eqx.filter_eval_shape(run, model, args, kwargs)
     return Summary(type(model).__name__, tuple(facts.rows), total_params(model))

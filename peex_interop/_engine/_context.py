@@ -55,6 +55,9 @@ class _Scope:
 
     probes: dict
     trace_state: Any
+    # The body's transform was applied under a transform the engine does not thread
+    # (a vmap inside a while_loop): nothing recorded in it can leave.
+    foreign: bool = False
     logs: dict = dataclasses.field(default_factory=dict)
     # Body inputs are new tracers: map them to the model leaves they stand for, so layers
     # rebuilt from them (e.g. `eqx.combine` in a scan over a layer stack) are recognised.
@@ -108,6 +111,8 @@ class HookContext:
     ):
         self.policy = policy
         self.native_kind = native_kind
+        # Policies that only read static facts (px.summary) may run under any trace.
+        self.observes_values = getattr(policy, "observes_values", True)
         # Read once: the wrappers build their selection from static fields on access.
         self.selection = policy.selection
         self.renames = self.selection.rename
@@ -200,6 +205,11 @@ class HookContext:
             kind = owner.layer_kind(module) if converted else self.native_kind(module)
             if not self.selection.selects(path, module, kind):
                 return call(*args, **kwargs)
+            # Edits too: a trace made under an unthreaded transform may be cached by
+            # JAX (a jit or loop body defined before hooking) and replayed by a later
+            # hooked call with other hooks.
+            if self.observes_values:
+                self._admit([path], "hook the call")
             name = self.renames.get(path, path)
             claimed = self.claims.setdefault(name, path)
             if claimed != path:
@@ -232,13 +242,17 @@ class HookContext:
         """The closed-world rule: a value enters a scope only from that scope's own
         trace. Anything else would leak a tracer (or, for a backward slot, sum
         cotangents over steps), so it is refused, naming the layers."""
-        if _trace_state() != self.scopes[-1].trace_state:
+        if self.in_foreign_trace():
             raise TransformError(
                 f"cannot {doing} of layer(s) {sorted(keys)}: they run under "
                 f"{_transform_name()}, which peex_interop cannot thread the value out "
                 f"of (it would leak a tracer). {THREADED} Move that transform outside "
                 "the hooked model, or exclude the layer with where=."
             )
+
+    def in_foreign_trace(self) -> bool:
+        """Whether code running now is under a transform the engine does not thread."""
+        return _trace_state() != self.scopes[-1].trace_state or self.scopes[-1].foreign
 
     def record(self, site: Site, key: str, value: Any) -> None:
         if value is None:
@@ -261,12 +275,12 @@ class HookContext:
         return probe
 
     # -- transformed bodies -------------------------------------------------------------
-    def enter_body(self, outer: Any, inner: Any, probes: dict) -> None:
+    def enter_body(self, outer: Any, inner: Any, probes: dict, foreign: bool) -> None:
         """Open the scope of a body whose inputs `inner` stand for `outer`: a known
         module passed in names its inner counterpart (and everything under it) by
         position, so one layer object at two paths stays two layers; other array
         inputs are named by the model paths of the arrays they stand for."""
-        scope = _Scope(probes, _trace_state())
+        scope = _Scope(probes, _trace_state(), foreign)
         outer_nodes, inner_nodes = _positions(outer), _positions(inner)
         if len(outer_nodes) == len(inner_nodes):
             base: tuple[str, ...] = ()
@@ -383,11 +397,12 @@ def active() -> list[HookContext]:
 
 
 @contextlib.contextmanager
-def entered(context: HookContext) -> Iterator[HookContext]:
+def entered(context: HookContext) -> Iterator[list[HookContext]]:
+    """Make `context` active in this thread for the block; yields the active ones."""
     stack = active()
     stack.append(context)
     try:
-        yield context
+        yield stack
     finally:
         stack.remove(context)
 
@@ -440,28 +455,30 @@ def call_site(
             continue
         path = join(*prefix, *local)
         run = functools.partial(context.run, run, owner, local, path, module)
-    if run is call:
-        _refuse_if_passed_through(owner, contexts[-1])
+    if run is call and not (contexts[-1].frames and contexts[-1].frames[-1][0] is owner):
+        refuse_if_passed_through(type(owner).__name__, owner)
     return run(*args, **kwargs)
 
 
-def _refuse_if_passed_through(owner: Any, context: HookContext) -> None:
-    """A module that no context can name is either not part of the model (built
-    during the call: not a layer) or a layer that an unthreaded transform received as
-    an argument, e.g. a `jax.jit` function created before hooking began, or a
-    `while_loop` carry: its arrays are that transform's tracers. The second must not
-    run unhooked."""
-    if context.frames and context.frames[-1][0] is owner:
-        return  # the owner re-entering its own call
-    if _trace_state() == context.scopes[-1].trace_state:
+def refuse_if_passed_through(name: str, values: Any) -> None:
+    """A layer that no context can name is either not part of the model (built during
+    the call: not a layer) or one that an unthreaded transform received as an argument,
+    e.g. a `jax.jit` function created before hooking began, or a `while_loop` carry:
+    its arrays (`values`) are that transform's tracers. The second must not run
+    unhooked. Adapters call this where their own naming fails."""
+    contexts = active()
+    if not contexts:
         return
-    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(owner)):
+    context = contexts[-1]
+    if not context.in_foreign_trace():
+        return
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(values)):
         return
     where = f" (called from layer {context.frames[-1][2]!r})" if context.frames else ""
     raise TransformError(
-        f"a {type(owner).__name__}{where} runs under {_transform_name()}, which received "
-        "it as an argument: peex_interop cannot name it or thread its logs out, so "
-        f"it would run unhooked. {THREADED} A jax.jit function created before hooking "
-        "began (at import or class definition) is not: create it inside the model's "
-        "call, use eqx.filter_jit, or move it outside the hooked model."
+        f"a {name}{where} runs under {_transform_name()}, which received it as an "
+        "argument: peex_interop cannot name it or thread its logs out, so it would run "
+        f"unhooked. {THREADED} A jax.jit function created before hooking began (at "
+        "import or class definition) is not: create it inside the model's call, use "
+        "eqx.filter_jit, or move it outside the hooked model."
     )

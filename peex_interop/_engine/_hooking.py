@@ -12,11 +12,12 @@ from .._adapters._equinox import class_patches, equinox_kind
 from ._context import HookContext, Policy, entered
 from ._transforms import transform_patches
 
-# JAX's jit caches are keyed on this context: while hooking, a `jax.jit` function
-# created before hooking began (which the engine cannot patch) misses the cache and
-# retraces in Python, so its layer calls reach the call sites, and are hooked or
-# refused, instead of replaying a trace made without hooks.
-_hooking_jit_key = jax.make_user_context(False)
+# JAX's trace caches are keyed on this context. While hooking, a function traced
+# before (a `jax.jit` created at import, a loop body defined at module level: the
+# engine cannot patch them) misses the cache and retraces in Python, so its layer calls
+# reach the call sites, where a selected one is refused. A trace made while hooking
+# holds only unselected calls, so it is reused only under the same selections.
+_hooking_jit_key = jax.make_user_context(())
 
 
 @contextlib.contextmanager
@@ -31,8 +32,11 @@ def hooking(
     """
     context = HookContext(root, policy, probes, discovering, equinox_kind)
     patches = class_patches(context.module_types) + transform_patches()
-    with _patching.patched(patches), entered(context), _hooking_jit_key(True):
-        yield context
+    with _patching.patched(patches), entered(context) as active:
+        # A static-facts pass (px.summary) records at trace time: never reuse its traces.
+        key = tuple(c.selection if c.observes_values else object() for c in active)
+        with _hooking_jit_key(key):
+            yield context
 
 
 def check_model(model: Any, wrapper: str) -> None:

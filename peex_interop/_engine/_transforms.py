@@ -27,6 +27,9 @@ from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage
 from . import _context, _patching
 from ._errors import HookError
 
+# The engine's own abstract runs must not be threaded as a model's would be.
+_real_eval_shape = jax.eval_shape
+
 
 class _Body:
     """One application of a threaded transform: runs `fn` as the transform's body in a
@@ -44,11 +47,12 @@ class _Body:
         # not shift `path@n` keys.
         self.start = [dict(c.counts) for c in self.contexts]
         self.end = self.start
+        self.foreign = [c.in_foreign_trace() for c in self.contexts]
 
     def __call__(self, probes: list, inner: Any, args: tuple, kwargs: dict):
-        for context, counts, probe in zip(self.contexts, self.start, probes):
+        for context, counts, probe, foreign in zip(self.contexts, self.start, probes, self.foreign):
             context.counts = dict(counts)
-            context.enter_body(self.outer, inner, probe)
+            context.enter_body(self.outer, inner, probe, foreign)
         try:
             out = self.fn(*args, **kwargs)
         finally:
@@ -75,7 +79,7 @@ class _Body:
         for context in self.contexts:
             context.discovering = True
         try:
-            found = logs_of(jax.eval_shape(run, self.no_probes()))
+            found = logs_of(_real_eval_shape(run, self.no_probes()))
         finally:
             for context, (flag, counts) in zip(self.contexts, saved):
                 context.discovering, context.counts = flag, counts
@@ -239,7 +243,7 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
 
     probes = bodies[0].enclosing_probes()
     try:
-        shapes = [jax.eval_shape(branch(body, None), probes, *operands)[1] for body in bodies]
+        shapes = [_real_eval_shape(branch(body, None), probes, *operands)[1] for body in bodies]
         union = [
             {key: value for branch_logs in per_context for key, value in branch_logs.items()}
             for per_context in zip(*shapes)
@@ -403,6 +407,35 @@ class _ThreadedJit:
         return getattr(self._jitted, name)
 
 
+def threaded_eval_shape(real_eval_shape: Callable) -> Callable:
+    """`jax.eval_shape` inside the model (NNX's `fori_loop` runs its body this way
+    first): the body runs in a scope of its own whose logs are dropped, since no value
+    leaves an abstract evaluation, and whose calls do not count as calls."""
+
+    def eval_shape(*shape_args, **shape_kwargs):
+        if not _context.active():
+            return real_eval_shape(*shape_args, **shape_kwargs)
+        options = _bind(real_eval_shape, shape_args, shape_kwargs)
+        fun, args, kwargs = options["fun"], options.get("args", ()), options.get("kwargs", {})
+        body = _Body(fun, (args, kwargs))
+
+        def shaped(*inner_args, **inner_kwargs):
+            return body(body.no_probes(), (inner_args, inner_kwargs), inner_args, inner_kwargs)[0]
+
+        # Backward slots are not needed either: contexts only discover, as in `.init`.
+        flags = [context.discovering for context in body.contexts]
+        for context in body.contexts:
+            context.discovering = True
+        try:
+            return real_eval_shape(shaped, *args, **kwargs)
+        finally:
+            for context, counts, flag in zip(body.contexts, body.start, flags):
+                context.counts, context.discovering = counts, flag
+            body.release()
+
+    return eval_shape
+
+
 def threaded_jit(real_jit: Callable) -> Callable:
     def jit(*jit_args, **jit_kwargs):
         options = _bind(real_jit, jit_args, jit_kwargs)
@@ -482,6 +515,7 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
         (jax, "checkpoint", threaded_checkpoint),
         (jax, "remat", threaded_checkpoint),
         (jax, "jit", threaded_jit),
+        (jax, "eval_shape", threaded_eval_shape),
         (jax, "shard_map", threaded_shard_map),
         (_JitWrapper, "__call__", threaded_filter_jit_call),
     ]
