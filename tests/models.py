@@ -1,7 +1,15 @@
-"""Small Equinox models shared by the tests, examples and benchmarks."""
+"""Small Equinox models shared by the tests, examples and benchmarks, and the tests'
+tolerance check."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def close(a, b, tol=1e-5):
+    """Assert `a` and `b` agree elementwise within `tol`, relative and absolute."""
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 class MLP(eqx.Module):
@@ -96,9 +104,35 @@ class Deep(eqx.Module):
         return self.out(x)
 
 
+def random_like(shapes, seed=0):
+    """`shapes` with every `jax.ShapeDtypeStruct` replaced by NumPy draws: normals scaled
+    by about 1/sqrt(fan-in) for floats, zeros otherwise.
+
+    For a model built under `eqx.filter_eval_shape`, `jax.eval_shape` or `nnx.eval_shape`:
+    eager initialisers compile an XLA program per parameter shape (seconds for a small
+    transformer), and the tests need values, not an initialisation scheme.
+    """
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        if not np.issubdtype(leaf.dtype, np.floating):
+            return jnp.asarray(np.zeros(leaf.shape, leaf.dtype))
+        shape = leaf.shape
+        # Libraries put the output axis first (Equinox) or last (Haiku, Flax).
+        fan_in = np.prod(shape) / min(shape[0], shape[-1]) if len(shape) > 1 else 100.0
+        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in), leaf.dtype)
+
+    return jax.tree.map(draw, shapes)
+
+
 def transformer(key=0, num_blocks=3):
-    return Transformer(vocab=11, dim=8, heads=2, num_blocks=num_blocks, key=jax.random.key(key))
+    shapes = eqx.filter_eval_shape(
+        Transformer, vocab=11, dim=8, heads=2, num_blocks=num_blocks, key=jax.random.key(key)
+    )
+    return random_like(shapes, key)
 
 
 def tokens(key=1, seq=5):
-    return jax.random.randint(jax.random.key(key), (seq,), 0, 11)
+    return jnp.asarray(np.random.default_rng(key).integers(0, 11, seq, np.int32))

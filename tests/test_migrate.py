@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 import peex_interop as px
+from models import random_like
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 import migrate  # noqa: E402  (the example's three implementations of one network)
@@ -23,10 +24,14 @@ import migrate  # noqa: E402  (the example's three implementations of one networ
 
 @pytest.fixture(scope="module")
 def trio():
-    images = jax.random.uniform(jax.random.key(0), (3, 8, 8, 1))
+    # Built from their shapes with NumPy weights (`random_like`): the three libraries'
+    # initialisers would compile an XLA program per parameter shape.
+    images = jnp.asarray(np.random.default_rng(0).uniform(size=(3, 8, 8, 1)), jnp.float32)
     transformed = hk.without_apply_rng(hk.transform(migrate.haiku_net))
-    haiku = px.from_haiku(transformed, transformed.init(jax.random.key(1), images))
-    return images, {"haiku": haiku, "nnx": px.from_nnx(migrate.NnxNet(nnx.Rngs(2))), "equinox": migrate.EquinoxNet(jax.random.key(3))}
+    haiku = px.from_haiku(transformed, random_like(jax.eval_shape(transformed.init, jax.random.key(1), images), 1))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: migrate.NnxNet(nnx.Rngs(2))))
+    nnx_net = px.from_nnx(nnx.merge(graphdef, random_like(state, 2)))
+    return images, {"haiku": haiku, "nnx": nnx_net, "equinox": random_like(eqx.filter_eval_shape(migrate.EquinoxNet, jax.random.key(3)), 3)}
 
 
 EXPECTED = {
@@ -45,6 +50,7 @@ def test_alignment_in_every_direction_then_transfer_and_compare(trio, a, b):
     port = px.transfer_params(models[a], models[b], alignment.mapping)
     comparison = px.compare(models[a], port, images, cotangents=True, alignment=alignment)
     assert comparison.first_divergence is None
+    assert [row.path_a for row in comparison.rows] == EXPECTED[a]
     assert all(row.max_rel < 1e-5 and row.cotangent_max_rel < 1e-5 for row in comparison.rows)
     np.testing.assert_allclose(port(images), models[a](images), rtol=1e-5, atol=1e-5)
     # Before the transfer the two models disagree everywhere: compare can fail.
@@ -54,15 +60,18 @@ def test_alignment_in_every_direction_then_transfer_and_compare(trio, a, b):
 def test_wrong_port_is_pinpointed(trio):
     images, models = trio
     mapping = px.align(models["haiku"], models["equinox"], images).mapping
-    wrong = px.transfer_params(models["haiku"], migrate.EquinoxNet(jax.random.key(3), forget_relu=True), mapping)
+    forgetful = random_like(eqx.filter_eval_shape(migrate.EquinoxNet, jax.random.key(3), forget_relu=True))
+    wrong = px.transfer_params(models["haiku"], forgetful, mapping)
     first = px.compare(models["haiku"], wrong, images).first_divergence
     assert (first.path_a, first.path_b) == ("fc1", "mlp.layers.0")  # the layer after the missing relu
 
     # A transposed kernel (a classic Haiku -> Equinox slip) is caught at its own layer.
     port = px.transfer_params(models["haiku"], models["equinox"], mapping)
-    square = eqx.nn.Conv2d(8, 8, 3, padding=1, key=jax.random.key(0))
     transposed = eqx.tree_at(lambda m: m.conv2.weight, port, jnp.swapaxes(port.conv2.weight, 0, 1))
-    assert square.weight.shape[0] == square.weight.shape[1]
+    # conv2 is square (8 -> 8 channels): the slip keeps every shape, only values show it.
+    assert transposed.conv2.weight.shape == port.conv2.weight.shape
+    assert not np.allclose(transposed.conv2.weight, port.conv2.weight)
+    assert px.compare(models["haiku"], port, images).first_divergence is None
     assert px.compare(models["haiku"], transposed, images).first_divergence.path_a == "conv2"
 
 

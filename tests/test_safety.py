@@ -9,24 +9,33 @@ import numpy as np
 import pytest
 
 import peex_interop as px
+from peex_interop._engine import _transforms
 from models import MLP
 
-ORIGINALS = {
-    "Linear.__call__": eqx.nn.Linear.__dict__["__call__"],
-    "jax.vmap": jax.vmap,
-    "jax.lax.scan": jax.lax.scan,
-    "jax.lax.cond": jax.lax.cond,
-    "jax.checkpoint": jax.checkpoint,
-}
+
+class Inherited(eqx.nn.Linear):
+    """Inherits `__call__`: hooking it must leave no attribute of its own behind."""
+
+
+class WithInherited(eqx.Module):
+    mlp: MLP
+    inherited: Inherited
+
+    def __call__(self, x):
+        return self.inherited(self.mlp(x))
+
+
+# Taken at import, before any hooked call: the attributes every hooked call must restore.
+OWN_CALLS = {cls: vars(cls).get("__call__") for cls in (eqx.nn.Linear, MLP, Inherited, WithInherited)}
+JAX_FUNCTIONS = {(owner, name): getattr(owner, name) for owner, name, _ in _transforms.transform_patches()}
+assert {(jax, "vmap"), (jax.lax, "scan"), (jax.lax, "cond"), (jax, "checkpoint")} <= set(JAX_FUNCTIONS)
 
 
 def assert_unpatched():
-    assert eqx.nn.Linear.__dict__["__call__"] is ORIGINALS["Linear.__call__"]
-    assert "__call__" not in vars(MLP) or vars(MLP)["__call__"] is MLP.__dict__["__call__"]
-    assert jax.vmap is ORIGINALS["jax.vmap"]
-    assert jax.lax.scan is ORIGINALS["jax.lax.scan"]
-    assert jax.lax.cond is ORIGINALS["jax.lax.cond"]
-    assert jax.checkpoint is ORIGINALS["jax.checkpoint"]
+    for cls, original in OWN_CALLS.items():
+        assert vars(cls).get("__call__") is original, cls
+    for (owner, name), original in JAX_FUNCTIONS.items():
+        assert getattr(owner, name) is original, name
 
 
 def model_and_input():
@@ -47,6 +56,31 @@ def test_patches_are_undone_after_success_and_exceptions():
     assert_unpatched()
     with pytest.raises(RuntimeError):
         eqx.filter_jit(lambda h, x: h(x))(px.ForwardHook(model, hook_fn=boom), x)
+    assert_unpatched()
+
+
+def test_inherited_call_gets_no_own_attribute_after_success_or_exception():
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = WithInherited(MLP(3, 4, 2, key=keys[0]), Inherited(2, 2, key=keys[1]))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    during = []
+
+    def record_patch(y):
+        # Seen from inside the call: the subclass is patched with an attribute of its own,
+        # so the check after the call tests a real removal.
+        during.append("__call__" in vars(Inherited))
+        return y
+
+    _, log = px.ForwardHook(model, log_fn=record_patch, where="inherited")(x)
+    assert during == [True]
+    np.testing.assert_allclose(log["inherited"], model(x), rtol=1e-6)
+    assert_unpatched()
+
+    def boom(_):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        px.ForwardHook(model, log_fn=boom, where="inherited")(x)
     assert_unpatched()
 
 
