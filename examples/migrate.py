@@ -87,7 +87,9 @@ WIDTH, HEADS, HIDDEN = 8, 2, 6
 
 def haiku_sequence_model(tokens):  # (batch, time, WIDTH)
     h = hk.LayerNorm(-1, True, True, name="norm")(tokens)
-    x = tokens + hk.MultiHeadAttention(HEADS, WIDTH // HEADS, w_init=hk.initializers.VarianceScaling(), name="attn")(h, h, h)
+    x = tokens + hk.MultiHeadAttention(HEADS, WIDTH // HEADS, w_init=hk.initializers.VarianceScaling(), name="attn")(
+        h, h, h
+    )
     x = x + hk.Linear(WIDTH, name="mlp_out")(jax.nn.gelu(hk.Linear(2 * WIDTH, name="mlp_in")(x)))
     lstm = hk.LSTM(HIDDEN, name="lstm")
     state = lstm.initial_state(x.shape[0])
@@ -100,7 +102,9 @@ class NnxSequenceModel(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.norm = nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs)  # Haiku's epsilon
         self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=WIDTH, decode=False, rngs=rngs)
-        self.mlp = nnx.Sequential(nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs), jax.nn.gelu, nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs))
+        self.mlp = nnx.Sequential(
+            nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs), jax.nn.gelu, nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
+        )
         self.cell = nnx.LSTMCell(WIDTH, HIDDEN, rngs=rngs)
         self.head = nnx.Linear(HIDDEN, 3, rngs=rngs)
 
@@ -177,7 +181,9 @@ def main():
         print("same dashboard keys:", sorted(log) == sorted(original_log))
         ports[name] = port
 
-    wrong = px.transfer_params(original, EquinoxNet(jax.random.key(3), forget_relu=True), px.align(original, ports["equinox"], images).mapping)
+    wrong = px.transfer_params(
+        original, EquinoxNet(jax.random.key(3), forget_relu=True), px.align(original, ports["equinox"], images).mapping
+    )
     comparison = px.compare(original, wrong, images)
     print("== a port that forgot an activation\n" + str(comparison))
     migrate_sequence_model()

@@ -38,9 +38,18 @@ LAYOUT_KINDS: dict[str, dict[str, tuple[str, ...]]] = {
     "embedding": {"embedding": ("vocab", "features")},
     "norm": {"scale": ("features",), "offset": ("features",)},
     "batch_norm": {"scale": ("features",), "offset": ("features",), "mean": ("features",), "var": ("features",)},
-    "lstm": {"input_kernel": ("in", "gate", "hidden"), "hidden_kernel": ("recurrent", "gate", "hidden"), "bias": ("gate", "hidden")},
+    "lstm": {
+        "input_kernel": ("in", "gate", "hidden"),
+        "hidden_kernel": ("recurrent", "gate", "hidden"),
+        "bias": ("gate", "hidden"),
+    },
     # `recurrent_bias` is added to the candidate's recurrent term inside the reset gate.
-    "gru": {"input_kernel": ("in", "gate", "hidden"), "hidden_kernel": ("recurrent", "gate", "hidden"), "bias": ("gate", "hidden"), "recurrent_bias": ("hidden",)},
+    "gru": {
+        "input_kernel": ("in", "gate", "hidden"),
+        "hidden_kernel": ("recurrent", "gate", "hidden"),
+        "bias": ("gate", "hidden"),
+        "recurrent_bias": ("hidden",),
+    },
 }
 
 
@@ -103,7 +112,7 @@ def _render(entries: Axes) -> str:
 
 
 def _entry_sizes(shape: tuple[int, ...], entries: Axes) -> list[int]:
-    return list(shape[len(shape) - len(entries):])
+    return list(shape[len(shape) - len(entries) :])
 
 
 def _learn_sizes(path: str, name: str, side: str, param: Param, sizes: dict[str, int], known: dict[str, int]) -> None:
@@ -130,10 +139,16 @@ def convert(path: str, name: str, source: Layout, target: Layout) -> Any:
     dtype, or an error naming the layer."""
     src, dst = source.params[name], target.params[name]
     if sorted(_atoms(src.axes)) != sorted(_atoms(dst.axes)):
-        raise refuse(path, f"{name}: source axes {_render(src.axes)} and destination axes {_render(dst.axes)} do not name the same axes")
+        raise refuse(
+            path,
+            f"{name}: source axes {_render(src.axes)} and destination axes {_render(dst.axes)} "
+            "do not name the same axes",
+        )
     for side, param in (("source", src), ("destination", dst)):
         if param.value.ndim < len(param.axes):
-            raise refuse(path, f"{side} {name} of shape {tuple(param.value.shape)} has fewer axes than {_render(param.axes)}")
+            raise refuse(
+                path, f"{side} {name} of shape {tuple(param.value.shape)} has fewer axes than {_render(param.axes)}"
+            )
     src_stack = tuple(src.value.shape[: src.value.ndim - len(src.axes)])
     dst_stack = tuple(dst.value.shape[: dst.value.ndim - len(dst.axes)])
     if src_stack != dst_stack:
@@ -149,8 +164,12 @@ def convert(path: str, name: str, source: Layout, target: Layout) -> Any:
         a = src_sizes.get(atom, source.sizes.get(atom))
         b = dst_sizes.get(atom, target.sizes.get(atom))
         if a is not None and b is not None and a != b:
-            raise refuse(path, f"{name} of shape {tuple(src.value.shape)} {_render(src.axes)} does not fit "
-                         f"{tuple(dst.value.shape)} {_render(dst.axes)}: axis {atom!r} has size {a} in the source, {b} in the destination")
+            raise refuse(
+                path,
+                f"{name} of shape {tuple(src.value.shape)} {_render(src.axes)} does not fit "
+                f"{tuple(dst.value.shape)} {_render(dst.axes)}: axis {atom!r} has size {a} in the source, "
+                f"{b} in the destination",
+            )
     merged = {**target.sizes, **dst_sizes, **source.sizes, **src_sizes}
     _learn_sizes(path, name, "source", src, merged, src_sizes)
     _learn_sizes(path, name, "destination", dst, merged, dst_sizes)
@@ -175,7 +194,10 @@ def _reorder(path: str, name: str, value: Any, atoms: list[str], lead: int, src_
             continue
         src_order, dst_order = src_orders.get(atom), dst_orders.get(atom)
         if src_order is None or dst_order is None or sorted(src_order) != sorted(dst_order):
-            raise refuse(path, f"{name}: the members of axis {atom!r} are {src_order} in the source, {dst_order} in the destination")
+            raise refuse(
+                path,
+                f"{name}: the members of axis {atom!r} are {src_order} in the source, {dst_order} in the destination",
+            )
         value = jnp.take(value, jnp.array([src_order.index(m) for m in dst_order]), axis=lead + position)
     return value
 
@@ -216,21 +238,21 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
     values = {}
     for name in sorted(set(source.params) | set(target.params)):
         src, dst = source.params.get(name), target.params.get(name)
-        has_src = src is not None and src.value is not None
-        has_dst = dst is not None and dst.value is not None
-        if has_src and not has_dst:
-            raise refuse(path, f"the source has a {name} and the destination has none")
-        if has_dst and not has_src:
-            zero = Param(jnp.zeros_like(dst.value), dst.axes)
-            values[name] = _zero(path, name, zero, dst, target)
-        elif has_dst:
+        has_source = src is not None and src.value is not None
+        if dst is None or dst.value is None:
+            if has_source:
+                raise refuse(path, f"the source has a {name} and the destination has none")
+        elif has_source:
             values[name] = convert(path, name, source, target)
+        else:
+            values[name] = _zero(path, name, dst, target)
     return values
 
 
-def _zero(path: str, name: str, zero: Param, dst: Param, target: Layout) -> Any:
+def _zero(path: str, name: str, dst: Param, target: Layout) -> Any:
     # A layer without this parameter behaves as one whose used value is 0: what the
     # destination stores is 0 minus what it adds.
+    zero = Param(jnp.zeros_like(dst.value), dst.axes)
     if not dst.shift:
         return zero.value
     probe = Layout(target.kind, {name: zero}, target.sizes, target.orders)

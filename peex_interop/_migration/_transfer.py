@@ -88,12 +88,14 @@ class _Side:
         above = [p for p in nodes if p != path and (not p or path.startswith(p + "."))]
         parent = max(above, key=len) if above else None
         field = path.removeprefix(parent).lstrip(".").split(".")[0] if parent is not None else None
-        return path, nodes[path], (), nodes.get(parent), field
+        return path, nodes[path], (), None if parent is None else nodes[parent], field
 
     def local_modules(self, prefix: str) -> dict[tuple[str, ...], Any]:
         if not prefix:
             return {tuple(p.split(".")): m for p, m in self.modules.items()}
-        return {tuple(p[len(prefix) + 1:].split(".")): m for p, m in self.modules.items() if p.startswith(prefix + ".")}
+        return {
+            tuple(p[len(prefix) + 1 :].split(".")): m for p, m in self.modules.items() if p.startswith(prefix + ".")
+        }
 
     def read(self, path: str) -> Any:
         prefix, node, local, parent, field = self.locate(path)
@@ -116,7 +118,8 @@ class _Side:
         else:
             self.model = eqx.tree_at(
                 lambda m: next(n for p, n in walk(m) if join(*p) == prefix and isinstance(n, eqx.Module)),
-                self.model, new,
+                self.model,
+                new,
             )
 
 
@@ -126,7 +129,10 @@ def _check_parts(path_src: str, path_dst: str, source: Container, target: Contai
     missing = [join(path_src, p) for p in source.parts if join(path_src, p) not in covered_src]
     missing += [join(path_dst, p) for p in target.parts if join(path_dst, p) not in covered_dst]
     if missing:
-        raise refuse(path_dst, f"it holds no parameters of its own; they are in its parts, and the mapping does not cover {missing}")
+        raise refuse(
+            path_dst,
+            f"it holds no parameters of its own; they are in its parts, and the mapping does not cover {missing}",
+        )
 
 
 def transfer_params(
@@ -182,8 +188,11 @@ def transfer_params(
             _check_parts(path_src, path_dst, layout_src, layout_dst, mapping)
         elif isinstance(layout_src, Container) or isinstance(layout_dst, Container):
             what = lambda layout: "a container" if isinstance(layout, Container) else f"a {layout.kind} layer"  # noqa: E731
-            raise refuse(path_dst, f"the source {path_src!r} is {what(layout_src)}, the destination {what(layout_dst)} "
-                         "(a Haiku module's class is only known from a call: pass inputs=)")
+            raise refuse(
+                path_dst,
+                f"the source {path_src!r} is {what(layout_src)}, the destination {what(layout_dst)} "
+                "(a Haiku module's class is only known from a call: pass inputs=)",
+            )
         else:
             target.write(path_dst, fit(path_dst, layout_src, layout_dst))
     if inputs is not None and verify:
