@@ -596,3 +596,14 @@ def test_a_converted_model_inside_an_equinox_model():
     assert mapping["inner.lstm@7"] == "inner.cell@7" and mapping["head"] == "head"
     port = px.transfer_params(source, destination, mapping, inputs=xs, tolerance=1e-4)
     np.testing.assert_allclose(port(xs), source(xs), rtol=1e-4, atol=1e-4)
+
+
+def test_statistics_of_an_equinox_batch_norm_in_batch_mode():
+    x, models = batch_norm()
+    source = perturbed(models["haiku"], 0)
+    bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(5, "batch", mode="batch", inference=True)
+    batch_mode = EqxBatchNorm(eqx.nn.Linear(4, 5, key=jax.random.key(1)), bn, state)
+    port = px.transfer_params(source, batch_mode, {"linear": "linear", "bn": "bn"}, inputs=x)
+    np.testing.assert_allclose(port(x), output(source, x), rtol=1e-5, atol=1e-5)
+    back = px.transfer_params(port, models["nnx"], {"linear": "linear", "bn": "bn"}, inputs=x)
+    np.testing.assert_allclose(back(x), output(source, x), rtol=1e-5, atol=1e-5)

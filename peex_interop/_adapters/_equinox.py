@@ -119,9 +119,10 @@ def _equinox_fields(module: Any, parent: Any, field: str | None, path: str) -> t
 
 
 def _batch_norm_stats(module: eqx.nn.BatchNorm, state: eqx.nn.State) -> tuple[Any, Any]:
-    if module.mode == "ema":
+    if module.ema_state_index is not None:  # mode="ema"
         return state.get(module.ema_state_index)
     # mode="batch" keeps zero-debiased hidden averages.
+    assert module.batch_counter is not None and module.batch_state_index is not None
     counter = state.get(module.batch_counter)
     scale = jnp.where(counter == 0, 1, 1 - module.momentum**counter)
     hidden_mean, hidden_var = state.get(module.batch_state_index)
@@ -132,10 +133,12 @@ def _with_batch_norm_stats(module: eqx.nn.BatchNorm, state: eqx.nn.State, mean: 
     # `State.set` invalidates the State it is called on: set on a copy, never on the
     # caller's.
     state = jax.tree.map(lambda x: x, state)
-    if module.mode == "ema":
+    if module.ema_state_index is not None:  # mode="ema"
+        assert module.ema_first_time_index is not None
         # Not "first time" any more: training must update these, not replace them.
         state = state.set(module.ema_first_time_index, jnp.array(False))
         return state.set(module.ema_state_index, (mean, var))
+    assert module.batch_counter is not None and module.batch_state_index is not None
     counter = state.get(module.batch_counter)
     scale = jnp.where(counter == 0, 1, 1 - module.momentum**counter)
     return state.set(module.batch_state_index, (mean * scale, var * scale))

@@ -307,6 +307,8 @@ def _is_attention(params: dict, local: tuple[str, ...], modules: dict) -> bool:
 
 def _lstm(params: dict, local: tuple[str, ...]) -> tuple[Layout, str]:
     key = _param_key(params, (*local, "linear"))
+    if key is None:
+        raise HookError(f"transfer_params: the hk.LSTM at {'.'.join(local)!r} has no parameters")
     w, b = params[key]["w"], params[key].get("b")
     hidden = w.shape[-1] // 4
     gates = axes(("gate", "hidden"))[0]
@@ -357,8 +359,8 @@ def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: di
         feature = axes(*[()] * (some.ndim - lead - 1), "features")
         norm = {"scale": Param(values.get("scale"), feature), "offset": Param(values.get("offset"), feature)}
         facts = {"groups": module.groups} if isinstance(module, hk.GroupNorm) else {}
-        stats = {name: state.get(f"{key}/~/{name}_ema") for name in ("mean", "var")}
-        if all(stats.values()):
+        stats = {name: state.get(f"{key}/~/{name}_ema") or {} for name in ("mean", "var")}
+        if all("average" in s for s in stats.values()):
             return Layout("batch_norm", {**norm, **{n: Param(s["average"], feature) for n, s in stats.items()}})
         return Layout("norm", norm, facts=facts)
     if names == {"w_i", "w_h", "b"}:
@@ -376,6 +378,7 @@ def _haiku_write(params: dict, state: dict, local: tuple[str, ...], modules: dic
         new = {"w": kernel, **({"b": values["bias"]} if "bias" in values else {})}
         return {**params, key: {**params[key], **new}}, state
     key = _param_key(params, local)
+    assert key is not None  # _haiku_layout found it
     new_state = dict(state)
     for name in ("mean", "var"):
         if name in values:
