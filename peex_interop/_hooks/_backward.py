@@ -7,7 +7,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._engine._context import HookContext, Site, check_same_shape, zeros_like
-from .._engine._errors import TransformError
+from .._engine._errors import HookError, TransformError
 from .._engine._hooking import hooking
 from .._engine._selection import Where
 from ._hooks import AbstractHook, HookLike, IdentityHook, as_hook
@@ -126,6 +126,13 @@ class BackwardHook(AbstractHookWrapper):
 
     def _attach(self, context: HookContext, site: Site, value: Any) -> Any:
         template = context.apply(site, "log_fn", self.log_fn, zeros_like(value))
+        discrete = [leaf for leaf in jtu.tree_leaves(template) if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+        if discrete:
+            raise HookError(
+                f"BackwardHook log_fn at layer {site.path!r} returns {discrete[0].dtype} values: a "
+                "backward log is the gradient of its slot, which exists only for floating "
+                "point values (JAX would give None). Log counts in a ForwardHook instead."
+            )
         if context.discovering:
             context.record(site, site.key, template)
             return value
