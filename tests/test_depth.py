@@ -42,22 +42,34 @@ def test_scanned_stack_and_attention_internals_match_a_hand_loop():
     model = transformer()
     t = tokens()
     out, log = px.ForwardHook(model, log_fn=px.IdentityLog())(t)
-    close(out, model(t))
-    x = jax.vmap(model.embed)(t)
-    close(log["embed"], x)
     arrays, static = eqx.partition(model.blocks, eqx.is_array)
-    for i in range(model.num_blocks):
-        block = eqx.combine(jax.tree.map(lambda a: a[i], arrays), static)
-        h = jax.vmap(block.norm1)(x)
-        close(log["blocks.norm1"][i], h)
-        close(log["blocks.attn.query_proj"][i], jax.vmap(block.attn.query_proj)(h))
-        close(log["blocks.attn.value_proj"][i], jax.vmap(block.attn.value_proj)(h))
-        close(log["blocks.attn"][i], block.attn(h, h, h))
-        hidden = jax.vmap(block.mlp.layers[0])(jax.vmap(block.norm2)(x + block.attn(h, h, h)))
-        close(log["blocks.mlp.layers.0"][i], hidden)
-        x = block(x)
-        close(log["blocks"][i], x)
-    close(log["head"], jax.vmap(model.head)(x))
+
+    @jax.jit
+    def by_hand(t):
+        # The scan unrolled, each block's internals stacked over the blocks (one compiled
+        # reference instead of op-by-op dispatch and indexing in a Python loop).
+        x = jax.vmap(model.embed)(t)
+        embedded, steps = x, []
+        for i in range(model.num_blocks):
+            block = eqx.combine(jax.tree.map(lambda a, i=i: a[i], arrays), static)
+            h = jax.vmap(block.norm1)(x)
+            attn = block.attn(h, h, h)
+            steps.append({
+                "blocks.norm1": h,
+                "blocks.attn.query_proj": jax.vmap(block.attn.query_proj)(h),
+                "blocks.attn.value_proj": jax.vmap(block.attn.value_proj)(h),
+                "blocks.attn": attn,
+                "blocks.mlp.layers.0": jax.vmap(block.mlp.layers[0])(jax.vmap(block.norm2)(x + attn)),
+            })
+            x = block(x)
+            steps[-1]["blocks"] = x
+        head = jax.vmap(model.head)(x)
+        return head, {"embed": embedded, "head": head, **jax.tree.map(lambda *s: jnp.stack(s), *steps)}
+
+    expected_out, expected = by_hand(t)
+    close(out, expected_out)
+    for path, value in expected.items():
+        close(log[path], value)
 
 
 def test_edit_equals_hand_modified_model():
