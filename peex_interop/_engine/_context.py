@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -43,7 +44,8 @@ class Site:
 class Policy(Protocol):
     """What a hook wrapper does at the call sites it selects."""
 
-    selection: Selection
+    @property
+    def selection(self) -> Selection: ...
 
     def run_site(self, context: "HookContext", site: Site) -> Any: ...
 
@@ -197,7 +199,9 @@ class HookContext:
         return path
 
     # -- running a call site ----------------------------------------------------------
-    def run(self, call, owner, local, path, module, *args, **kwargs):
+    def run(
+        self, call: Callable[..., Any], owner: Any, local: tuple[str, ...], path: str, module: Any, *args, **kwargs
+    ) -> Any:
         self.frames.append((owner, local, path))
         try:
             # Converted models know their library's classes; the rest are Equinox's.
@@ -372,12 +376,12 @@ def check_same_shape(path: str, role: str, expected: Any, got: Any) -> None:
             f"got {got_tree}"
         )
     for a, b in zip(expected_leaves, got_leaves):
-        if eqx.is_array(a) or isinstance(a, jax.ShapeDtypeStruct):
-            if not hasattr(b, "shape") or a.shape != b.shape or a.dtype != b.dtype:
-                raise HookError(
-                    f"{role} at layer {path!r} must keep shapes and dtypes: expected "
-                    f"{jtu.tree_map(_spec, expected)}, got {jtu.tree_map(_spec, got)}"
-                )
+        is_array = eqx.is_array(a) or isinstance(a, jax.ShapeDtypeStruct)
+        if is_array and (not hasattr(b, "shape") or a.shape != b.shape or a.dtype != b.dtype):
+            raise HookError(
+                f"{role} at layer {path!r} must keep shapes and dtypes: expected "
+                f"{jtu.tree_map(_spec, expected)}, got {jtu.tree_map(_spec, got)}"
+            )
 
 
 # -- the thread's active contexts ------------------------------------------------------

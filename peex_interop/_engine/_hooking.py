@@ -7,8 +7,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from . import _patching
 from .._adapters._equinox import class_patches, equinox_kind
+from . import _patching
 from ._context import HookContext, Policy, entered
 from ._transforms import transform_patches
 

@@ -6,7 +6,6 @@ class (and its bases, so subclasses inherit their parent's kind) up in such a ta
 
 from typing import Any
 
-
 KINDS = (
     "linear", "conv", "attention", "norm", "embedding", "dropout", "recurrent",
     "pool", "activation", "container", "other",

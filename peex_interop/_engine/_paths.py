@@ -46,7 +46,9 @@ class AbstractConverted(eqx.Module):
         caller ran the model: what the stored parameters alone do not tell."""
 
     @abc.abstractmethod
-    def write_layer(self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None) -> "AbstractConverted":
+    def write_layer(
+        self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None
+    ) -> "AbstractConverted":
         """A copy with the layer at `local` holding `values`: `_layouts.fit`'s output,
         already in this layer's own axes."""
 

@@ -9,7 +9,6 @@ from typing import Any
 from ._errors import HookError
 from ._kinds import KINDS
 
-
 _WHERE_TAKES = (
     "glob patterns (str), module types, predicates (path, module) -> bool, px.kind/"
     "px.not_/px.all_of criteria, or a sequence of those"

@@ -21,6 +21,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.tree_util as jtu
 from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 
@@ -53,6 +54,7 @@ class _Body:
         for context, counts, probe, foreign in zip(self.contexts, self.start, probes, self.foreign):
             context.counts = dict(counts)
             context.enter_body(self.outer, inner, probe, foreign)
+        assert self.fn is not None, "a released body ran again"
         try:
             out = self.fn(*args, **kwargs)
         finally:

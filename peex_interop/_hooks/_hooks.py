@@ -1,6 +1,6 @@
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import equinox as eqx
 
@@ -43,6 +43,10 @@ class FunctionHook(AbstractHook):
 HookLike = AbstractHook | Callable[[Any], Any]
 
 
+@overload
+def as_hook(hook: HookLike) -> AbstractHook: ...
+@overload
+def as_hook(hook: None) -> None: ...
 def as_hook(hook: HookLike | None) -> AbstractHook | None:
     if hook is None or isinstance(hook, AbstractHook):
         return hook

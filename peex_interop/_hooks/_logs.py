@@ -1,6 +1,6 @@
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -60,6 +60,10 @@ class FunctionLog(AbstractLog):
 LogLike = AbstractLog | Callable[[Any], Any]
 
 
+@overload
+def as_log(log: LogLike) -> AbstractLog: ...
+@overload
+def as_log(log: None) -> None: ...
 def as_log(log: LogLike | None) -> AbstractLog | None:
     if log is None or isinstance(log, AbstractLog):
         return log
