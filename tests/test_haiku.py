@@ -151,7 +151,7 @@ TRANSFORMS = {
 
 @pytest.mark.parametrize("transform", sorted(TRANSFORMS))
 @pytest.mark.parametrize("name", ["mlp", "layer_stack"])
-def test_transforms_around_match_unhooked(transform, name):
+def test_transforms_around_match_hand_computation(transform, name):
     transformed, params, model, x = convert(name)
     hooked = px.ForwardHook(model, log_fn=px.MeanLog())
 
