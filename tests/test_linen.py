@@ -20,7 +20,7 @@ from flax import nnx
 from flax.core import axes_scan
 
 import peex_interop as px
-from peex_interop._adapters._linen import from_linen, LinenModule
+from peex_interop._adapters._linen import LinenModule, from_linen
 from peex_interop._engine import _patching
 
 
@@ -259,7 +259,8 @@ def test_recurrent_cells_log_per_time_step(built):
 @pytest.mark.parametrize("name", ["cnn_train", "lifted"])
 def test_under_filter_jit_grad_vmap_outside(built, name):
     module, variables, x, kwargs = built[name]
-    hooked = px.ForwardHook(convert(module, variables, kwargs), log_fn=px.IdentityLog(), where=px.kind("linear", "conv"))
+    converted = convert(module, variables, kwargs)
+    hooked = px.ForwardHook(converted, log_fn=px.IdentityLog(), where=px.kind("linear", "conv"))
     # In training mode the call returns (output, updates).
     output = (lambda out: out[0]) if kwargs else (lambda out: out)
 
@@ -408,7 +409,7 @@ def test_stats_logs_the_recorder_and_the_same_keys_as_an_equinox_twin(built):
     module, variables, x, _ = built["mlp"]
     stats = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.activation_stats())(x)[1])
     converted = from_linen(module, variables)
-    dense = lambda x: nn.Dense(5).apply({"params": variables["params"]["Dense_0"]}, x)  # noqa: E731
+    dense = lambda x: nn.Dense(5).apply({"params": variables["params"]["Dense_0"]}, x)
     recorder = px.Recorder(every=2)
     for step in range(3):
         log = stats(converted, x * (step + 1))
@@ -539,6 +540,25 @@ def test_compare_pinpoints_a_porting_bug():
     assert (first.path_a, first.path_b) == ("attn.value", "attn.value")
 
 
+class Conv1D(nn.Module):
+    kernel_size: int | tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(4, kernel_size=self.kernel_size)(x)
+
+
+def test_an_int_kernel_size_transfers_as_a_1d_window():
+    # flax reads `kernel_size=3` as (3,); the layout comes from the called module.
+    x = jax.random.normal(key(1), (2, 8, 3))
+    source = Conv1D(3)
+    variables = source.init(key(0), x)
+    ported = px.transfer_params(
+        from_linen(source, variables), _linen(Conv1D((3,)), x), {"Conv_0": "Conv_0"}, inputs=x
+    )
+    close(ported(x), source.apply(variables, x))
+
+
 def test_transfer_into_equinox_and_refusals(built):
     module, variables, x, _ = built["mlp"]
 
@@ -557,8 +577,9 @@ def test_transfer_into_equinox_and_refusals(built):
     with pytest.raises(px.HookError, match="Dense_0"):
         px.transfer_params(from_linen(module, variables), wide, mapping)
     cnn, cnn_variables, cnn_x, _ = built["cnn"]
-    with pytest.raises(px.HookError, match="ConvTranspose_0.*conv-transpose"):
-        px.transfer_params(from_linen(cnn, cnn_variables), from_linen(cnn, cnn_variables), {"ConvTranspose_0": "ConvTranspose_0"}, inputs=cnn_x)
+    with pytest.raises(px.HookError, match=r"ConvTranspose_0.*conv-transpose"):
+        converted = from_linen(cnn, cnn_variables)
+        px.transfer_params(converted, converted, {"ConvTranspose_0": "ConvTranspose_0"}, inputs=cnn_x)
 
 
 def test_a_converted_model_inside_an_equinox_model_logs_under_its_field(built):
@@ -626,7 +647,7 @@ def test_untreaded_transform_inside_raises_naming_the_layer():
 
 
 def test_bad_inputs():
-    with pytest.raises(TypeError, match="flax.linen.Module"):
+    with pytest.raises(TypeError, match=r"flax\.linen\.Module"):
         from_linen(eqx.nn.Linear(2, 2, key=key(0)), {})
     module = MLP()
     with pytest.raises(TypeError, match="variables"):

@@ -29,7 +29,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import axes, Container, Layout, Param, refuse
+from .._engine._layouts import Container, Layout, Param, axes, refuse
 from .._engine._paths import AbstractConverted
 
 Path = tuple[str, ...]
@@ -136,9 +136,11 @@ class LinenModule(AbstractConverted):
         if not _context.active():
             return apply()
         state = _Interception(self)
-        with _patching.patched([(axes_scan, "scan", _scan_with_silent_prepass)]):
-            with nn.intercept_methods(state.intercept):
-                return apply()
+        with (
+            _patching.patched([(axes_scan, "scan", _scan_with_silent_prepass)]),
+            nn.intercept_methods(state.intercept),
+        ):
+            return apply()
 
     def with_variables(self, updates: Mapping[str, Any]) -> "LinenModule":
         """The same model with some collections replaced (e.g. the `updates` a call with
@@ -285,18 +287,26 @@ def _kernel_spec(variables: Mapping[str, Any], local: Path, module: Any, parent:
             "kernel": ("params", "kernel", axes("in", "out")), "bias": ("params", "bias", axes("out")),
         }), {}
     if isinstance(module, nn.Conv) or (module is None and (bias is None or bias.ndim == 1)):
-        window = len(module.kernel_size) if isinstance(module, nn.Conv) else kernel.ndim - 2
-        facts = {"groups": module.feature_group_count} if isinstance(module, nn.Conv) else {}
+        if isinstance(module, nn.Conv):
+            # An int kernel_size is a 1-D convolution's window.
+            window = 1 if isinstance(module.kernel_size, int) else len(module.kernel_size)
+            facts = {"groups": module.feature_group_count}
+        else:
+            window, facts = kernel.ndim - 2, {}
         return "conv", _single({
             "kernel": ("params", "kernel", axes(*(f"window{i}" for i in range(window)), "in", "out")),
             "bias": ("params", "bias", axes("out")),
         }), facts
-    if module is None:
+    if module is None and bias is not None:  # no bias or a 1-D one was read as a conv above
         raise refuse(
             path, f"a kernel {tuple(kernel.shape)} with a bias {tuple(bias.shape)} is a stacked "
             "Dense or a DenseGeneral: which one is known from a call (pass inputs=)"
         )
-    raise refuse(path, f"no known parameter layout for {type(module).__name__} (a DenseGeneral with several input or feature axes has no counterpart)")
+    raise refuse(
+        path,
+        f"no known parameter layout for {type(module).__name__} (a DenseGeneral with several input or feature "
+        "axes has no counterpart)",
+    )
 
 
 def _linen_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> tuple[str, Spec, dict, dict]:
