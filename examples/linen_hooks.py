@@ -42,7 +42,7 @@ def main():
         for part in path.split("."):
             node = node.get(part, {}) if isinstance(node, dict) else {}
         shape = tuple(jax.tree.leaves(value)[0].shape)  # a scanned Block returns (x, None)
-        print(f"{path:<22} {str(shape):<16} {'yes' if '__call__' in node else 'nothing'}")
+        print(f"{path:<22} {shape!s:<16} {'yes' if '__call__' in node else 'nothing'}")
 
     hooked = px.BackwardHook(net, log_fn=px.IdentityLog(), where="blocks.attn").init(tokens)
     grads = eqx.filter_grad(lambda h, t: jnp.mean(h(t) ** 2))(hooked, tokens)
@@ -67,7 +67,8 @@ def main():
         training, opt_state, value = step(training, opt_state, tokens)
         print(f"step {i}: loss {value:.5f}")
     print(px.summary(training, tokens, train=True))
-    print("trained linen variables:", sorted(training.variables), "output", module.apply(training.variables, tokens).shape)
+    trained = module.apply(training.variables, tokens)
+    print("trained linen variables:", sorted(training.variables), "output", trained.shape)
 
 
 if __name__ == "__main__":

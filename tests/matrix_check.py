@@ -157,9 +157,11 @@ def check_refused(
             with pytest.raises(px.TransformError, match=naming):
                 hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where=path).init(*args)
                 _in(mode, _grad)(hooked, args)
-        with jax.checking_leaks() if not model_leaks else contextlib.nullcontext():
-            with pytest.raises(px.TransformError, match=naming):
-                _in(mode, _call)(editing, args)
+        with (
+            jax.checking_leaks() if not model_leaks else contextlib.nullcontext(),
+            pytest.raises(px.TransformError, match=naming),
+        ):
+            _in(mode, _call)(editing, args)
 
 
 def nested(reference: Callable, in_axes: tuple) -> Callable:

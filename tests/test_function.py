@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-zephyr = pytest.importorskip("zephyr")  # the test extra
+pytest.importorskip("zephyr")  # the test extra
 
 import equinox as eqx
 import jax
@@ -56,7 +56,8 @@ def seed():
 def by_hand(params, x):
     """Every layer's output, each layer function called by hand."""
     logs = {}
-    for name, sub, dims in (("encoder.mlp_1", params["encoder"]["mlp_1"], [8, 8]), ("decoder", params["decoder"], [8, 8, 6])):
+    layers = (("encoder.mlp_1", params["encoder"]["mlp_1"], [8, 8]), ("decoder", params["decoder"], [8, 8, 6]))
+    for name, sub, dims in layers:
         logs[name] = mlp(sub, x, dims)
         h = x
         for i, dim in enumerate(dims):
@@ -116,7 +117,8 @@ def test_summary_kinds_stats_and_selection(seed):
     assert (rows["decoder.0"].module_type, rows["decoder.0"].kind) == ("linear", "linear")
     assert rows["decoder.0"].trainable == 6 * 8 + 8
     assert px.total_params(model) == (sum(a.size for a in jax.tree.leaves(params)), 0)
-    _, log = eqx.filter_jit(lambda m, x: px.ForwardHook(m, log_fn=px.activation_stats(), where=px.kind("linear"))(x, *HYPER))(model, x)
+    stats = lambda m, x: px.ForwardHook(m, log_fn=px.activation_stats(), where=px.kind("linear"))(x, *HYPER)
+    _, log = eqx.filter_jit(stats)(model, x)
     assert set(log) == {p for p in by_hand(params, x) if p.split(".")[-1].isdigit()}
     close(log["decoder.1"]["mean"], jnp.mean(by_hand(params, x)["decoder.1"]))
     _, log = px.ForwardHook(model, log_fn=px.MeanLog(), where=lambda path, layer: layer.calls(mlp))(x, *HYPER)
@@ -186,7 +188,9 @@ def test_zephyr_nets_kinds_and_layers_without_params():
     tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, 11)
     key = jax.random.key(2)
     params = trace(zephyr_transformer, jax.random.key(0), tokens, key)
-    model = from_function(zephyr_transformer, params, layers=[token_embed, layer_norm, multi_head_self_attention, linear, dropout])
+    model = from_function(
+        zephyr_transformer, params, layers=[token_embed, layer_norm, multi_head_self_attention, linear, dropout]
+    )
     rows = {row.path: row.kind for row in px.summary(model, tokens, key).rows}
     assert rows == {
         "embed": "embedding", "norm": "norm", "attn.q_proj": "linear", "attn.k_proj": "linear",
@@ -215,7 +219,7 @@ def test_params_passed_through_a_nested_jit_are_named_through_their_arrays(seed)
 def test_the_kinds_of_zephyrs_nets_name_real_functions():
     import importlib
 
-    from peex_interop._adapters._function import default_kind, ZEPHYR_KINDS
+    from peex_interop._adapters._function import ZEPHYR_KINDS, default_kind
 
     for qualified, kind in ZEPHYR_KINDS.items():
         module, name = qualified.rsplit(".", 1)
@@ -245,9 +249,10 @@ def test_transfer_between_a_zephyr_mlp_and_an_equinox_mlp():
     eqx_mlp = eqx.nn.MLP(3, 2, 5, 1, activation=jax.nn.relu, key=jax.random.key(3))
     ported = px.transfer_params(model, eqx_mlp, {"0": "layers.0", "1": "layers.1"})
     close(jax.vmap(ported)(x), model(x))
-    back = px.transfer_params(ported, from_function(lambda p, x: mlp(p, x, [5, 2]), jax.tree.map(jnp.zeros_like, params), layers=[mlp, linear]), {"layers.0": "0", "layers.1": "1"})
+    zeros = from_function(lambda p, x: mlp(p, x, [5, 2]), jax.tree.map(jnp.zeros_like, params), layers=[mlp, linear])
+    back = px.transfer_params(ported, zeros, {"layers.0": "0", "layers.1": "1"})
     jax.tree.map(close, back.params, params)
-    with pytest.raises(px.HookError, match="layers.0"):
+    with pytest.raises(px.HookError, match=r"layers\.0"):
         px.transfer_params(model, eqx.nn.MLP(3, 2, 6, 1, key=jax.random.key(3)), {"0": "layers.0"})
 
 
@@ -266,7 +271,8 @@ def test_transfer_between_zephyr_attention_and_nnx_attention_is_exact():
     ported = px.transfer_params(model, port, alignment.mapping, inputs=x)
     close(ported(x), model(x))
     # Back, from the variables alone: zephyr's projection names tell the layout.
-    back = px.transfer_params(ported, from_function(attention, jax.tree.map(jnp.zeros_like, params), layers=[linear]), {b: a for a, b in alignment.mapping.items()})
+    zeros = from_function(attention, jax.tree.map(jnp.zeros_like, params), layers=[linear])
+    back = px.transfer_params(ported, zeros, {b: a for a, b in alignment.mapping.items()})
     jax.tree.map(close, back.params, params)
 
 
@@ -297,11 +303,13 @@ def test_one_network_in_five_styles_logs_the_same_keys_and_values():
     ports = {
         "equinox": EquinoxMLP(eqx.nn.MLP(3, 2, 5, 1, activation=jax.nn.relu, key=jax.random.key(2))),
         "haiku": px.from_haiku(haiku, haiku.init(jax.random.key(2), x)),
-        "nnx": px.from_nnx(nnx.Sequential(nnx.Linear(3, 5, rngs=nnx.Rngs(2)), jax.nn.relu, nnx.Linear(5, 2, rngs=nnx.Rngs(3)))),
+        "nnx": px.from_nnx(
+            nnx.Sequential(nnx.Linear(3, 5, rngs=nnx.Rngs(2)), jax.nn.relu, nnx.Linear(5, 2, rngs=nnx.Rngs(3)))
+        ),
         "linen": px.from_linen(linen, linen.init(jax.random.key(2), x)),
     }
     # The same hook line everywhere.
-    hook = lambda model: px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.kind("linear"))(x)  # noqa: E731
+    hook = lambda model: px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.kind("linear"))(x)
     _, expected = hook(reference)
     assert set(expected) == {"0", "1"}
     for style, port in ports.items():
@@ -345,7 +353,8 @@ def test_patches_are_undone_on_every_path_and_threads_are_isolated(seed):
 
     def hooked_thread():
         try:
-            seen.append(px.ForwardHook(model, hook_fn=px.FunctionHook(slow), log_fn=px.MeanLog(), where="decoder.0")(x, *HYPER)[1])
+            hooked = px.ForwardHook(model, hook_fn=px.FunctionHook(slow), log_fn=px.MeanLog(), where="decoder.0")
+            seen.append(hooked(x, *HYPER)[1])
         except Exception as error:  # reported below
             errors.append(error)
 

@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from .._engine import _context, _patching
-from .._engine._layouts import axes, Container, Layout, Param, refuse
 from .._engine._kinds import kind_of
+from .._engine._layouts import Container, Layout, Param, axes, refuse
 from .._engine._paths import AbstractTransparent, children, join, walk
-
 
 # Equinox's built-in layers, by library-independent kind (`px.KINDS`).
 EQUINOX_KINDS: dict[type, str] = {
@@ -74,10 +73,12 @@ _ATTENTION_INPUTS = ("query_proj", "key_proj", "value_proj")
 def _linear_fields(module: eqx.nn.Linear, parent: Any, field: str | None) -> tuple[str, dict, dict]:
     if isinstance(parent, eqx.nn.MultiheadAttention) and field in _ATTENTION_INPUTS:
         heads = axes(("heads", "head_dim"))[0]
-        return "attention_in", {"kernel": ("weight", axes(heads, "in")), "bias": ("bias", axes(heads))}, {"heads": parent.num_heads}
+        fields = {"kernel": ("weight", axes(heads, "in")), "bias": ("bias", axes(heads))}
+        return "attention_in", fields, {"heads": parent.num_heads}
     if isinstance(parent, eqx.nn.MultiheadAttention) and field == "output_proj":
         heads = axes(("heads", "head_dim"))[0]
-        return "attention_out", {"kernel": ("weight", axes("out", heads)), "bias": ("bias", axes("out"))}, {"heads": parent.num_heads}
+        fields = {"kernel": ("weight", axes("out", heads)), "bias": ("bias", axes("out"))}
+        return "attention_out", fields, {"heads": parent.num_heads}
     return "linear", {"kernel": ("weight", axes("out", "in")), "bias": ("bias", axes("out"))}, {}
 
 
@@ -161,7 +162,9 @@ def _holds_arrays_below(node: eqx.Module) -> bool:
                for _, child in children(node) for leaf in jax.tree.leaves(child))
 
 
-def equinox_layout(module: Any, path: str, parent: Any = None, field: str | None = None, state: Any = None) -> Layout | Container:
+def equinox_layout(
+    module: Any, path: str, parent: Any = None, field: str | None = None, state: Any = None
+) -> Layout | Container:
     """The parameters of an Equinox layer in named axes (`_engine/_layouts.py`); a
     container (no arrays of its own, e.g. `MultiheadAttention`, `Sequential`) lists its
     parameterised parts.
@@ -179,13 +182,19 @@ def equinox_layout(module: Any, path: str, parent: Any = None, field: str | None
     params = {name: Param(None if attr is None else getattr(module, attr), ax) for name, (attr, ax) in fields.items()}
     if kind == "batch_norm":
         if state is None:
-            raise refuse(path, "its running statistics are in an eqx.nn.State: hold the State in the model or pass it to transfer_params")
+            raise refuse(
+                path,
+                "its running statistics are in an eqx.nn.State: hold the State in the model or pass it to "
+                "transfer_params",
+            )
         mean, var = _batch_norm_stats(module, state)
         params["mean"], params["var"] = Param(mean, params["mean"].axes), Param(var, params["var"].axes)
     return Layout(kind, params, sizes, orders, facts)
 
 
-def equinox_write(module: Any, path: str, values: dict[str, Any], parent: Any = None, field: str | None = None, state: Any = None) -> tuple[Any, Any]:
+def equinox_write(
+    module: Any, path: str, values: dict[str, Any], parent: Any = None, field: str | None = None, state: Any = None
+) -> tuple[Any, Any]:
     """`(module, state)` with `values` (from `_layouts.fit`) in the layer's fields and,
     for BatchNorm, its statistics in `state`."""
     _, fields, _, _, _ = _equinox_fields(module, parent, field, path)

@@ -36,7 +36,7 @@ from jaxtyping import PyTree
 from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import KINDS
-from .._engine._layouts import axes, Container, Layout, Param, refuse
+from .._engine._layouts import Container, Layout, Param, axes, refuse
 from .._engine._paths import AbstractConverted
 
 Path = tuple[str, ...]
@@ -121,7 +121,9 @@ def _nodes(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
 
 
 def _size(tree: Any) -> int:
-    return sum(leaf.size for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
+    return sum(
+        leaf.size for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    )
 
 
 class FunctionModule(AbstractConverted):
@@ -293,7 +295,11 @@ def _bound(value: Any, wanted: set[int]) -> bool:
     if id(value) in wanted:
         return True
     # A name another overlapping call has already replaced.
-    return type(value) is types.FunctionType and _patching.ORIGINAL in vars(value) and id(_patching.unwrap(value)) in wanted
+    return (
+        type(value) is types.FunctionType
+        and _patching.ORIGINAL in vars(value)
+        and id(_patching.unwrap(value)) in wanted
+    )
 
 
 def _bindings(functions: Sequence[Callable], fn: Callable) -> list[tuple[Any, str]]:
@@ -364,7 +370,7 @@ def _function_spec(model: FunctionModule, local: Path, modules: dict) -> tuple[s
         siblings = _node(model.params, local[:-1]) if local else None
         attention = (
             model.layer_kind(parent) == "attention" if parent is not None
-            else isinstance(siblings, Mapping) and _ATTENTION <= {str(k) for k in siblings}
+            else isinstance(siblings, Mapping) and {str(k) for k in siblings} >= _ATTENTION
         )
         heads = axes(("heads", "head_dim"))[0]
         if attention and local[-1] in _ATTENTION_INPUTS:
@@ -376,7 +382,10 @@ def _function_spec(model: FunctionModule, local: Path, modules: dict) -> tuple[s
         if kind == "conv":
             window = tuple(f"window{i}" for i in range(ndim - 2))
             return "conv", {"kernel": (kernel, axes(*window, "in", "out")), "bias": (bias or "bias", axes("out"))}
-        raise refuse(path, f"a kernel of {ndim} axes: a conv or stacked linear layers, which one is known from a call (pass inputs=)")
+        raise refuse(
+            path, f"a kernel of {ndim} axes: a conv or stacked linear layers, which one is known from a call "
+            "(pass inputs=)"
+        )
     embedding = _one_of(own, _EMBEDDINGS)
     if embedding is not None:
         return "embedding", {"embedding": (embedding, axes("vocab", "features"))}

@@ -19,8 +19,8 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._engine import _context
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
+from .._engine._layouts import Container, Layout, Param, axes, refuse
 from .._engine._paths import AbstractConverted
-from .._engine._layouts import axes, Container, Layout, Param, refuse
 
 HAIKU_KINDS: dict[type, str] = {
     hk.Linear: "linear",
@@ -123,7 +123,9 @@ class HaikuFunction(_AbstractHaiku):
     def read_layer(self, local: tuple[str, ...], modules: dict | None = None) -> Layout:
         raise TypeError(_NO_PARAMS.format("read"))
 
-    def write_layer(self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None) -> "HaikuFunction":
+    def write_layer(
+        self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None
+    ) -> "HaikuFunction":
         raise TypeError(_NO_PARAMS.format("write"))
 
 
@@ -146,7 +148,9 @@ def haiku_function(fn: Callable, *, methods: Sequence[str] = ("__call__",)) -> H
     A `HaikuFunction` to pass to `px.ForwardHook` inside the transformed function;
     return the log from the transformed function to get it out.
     """
-    return HaikuFunction(fn, _layer_methods(methods))
+    # By keyword: `methods` is declared (abstract) on the base class, so type checkers
+    # put it first in the generated `__init__`, while Equinox puts it after `fn`.
+    return HaikuFunction(fn=fn, methods=_layer_methods(methods))
 
 
 class HaikuModule(_AbstractHaiku):
@@ -320,18 +324,29 @@ def _lstm(params: dict, local: tuple[str, ...]) -> tuple[Layout, str]:
     return layout, key
 
 
+_NO_TRANSPOSE = "conv-transpose kernels are not transferred (the libraries flip and order them differently)"
+
+
 def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
     path = ".".join(local)
     module = modules.get(local)
     if isinstance(module, hk.LSTM):
         return _lstm(params, local)[0]
     if isinstance(module, (hk.GRU, hk.VanillaRNN)):
-        raise refuse(path, f"hk.{type(module).__name__} has no exact counterpart: its gates differ from Equinox's and NNX's cells (hk.GRU applies the reset gate before the recurrent matmul)")
+        raise refuse(
+            path,
+            f"hk.{type(module).__name__} has no exact counterpart: its gates differ from Equinox's and NNX's cells "
+            "(hk.GRU applies the reset gate before the recurrent matmul)",
+        )
     if isinstance(module, hk.ConvNDTranspose):
-        raise refuse(path, "conv-transpose kernels are not transferred (the libraries flip and order them differently)")
+        raise refuse(path, _NO_TRANSPOSE)
     key = _param_key(params, local)
     if key is None:
-        parts = [".".join(p[len(local):]) for p in map(_params_path, params) if p[: len(local)] == local and len(p) > len(local)]
+        parts = [
+            ".".join(p[len(local):])
+            for p in map(_params_path, params)
+            if p[: len(local)] == local and len(p) > len(local)
+        ]
         if not parts:
             raise HookError(f"transfer_params: no Haiku module with parameters at {path!r}")
         return Container(tuple(parts))
@@ -343,15 +358,18 @@ def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: di
             heads = axes(("heads", "head_dim"))[0]
             sizes = {"heads": modules[local[:-1]].num_heads} if local[:-1] in modules else {}
             if local[-1] == "linear":
-                return Layout("attention_out", {"kernel": Param(w, axes(heads, "out")), "bias": Param(b, axes("out"))}, sizes)
+                return Layout(
+                    "attention_out", {"kernel": Param(w, axes(heads, "out")), "bias": Param(b, axes("out"))}, sizes
+                )
             return Layout("attention_in", {"kernel": Param(w, axes("in", heads)), "bias": Param(b, axes(heads))}, sizes)
         if w.ndim - lead == 2:
             return Layout("linear", {"kernel": Param(w, axes("in", "out")), "bias": Param(b, axes("out"))})
         if module is None and "transpose" in key:
-            raise refuse(path, "conv-transpose kernels are not transferred (the libraries flip and order them differently)")
+            raise refuse(path, _NO_TRANSPOSE)
         window = tuple(f"window{i}" for i in range(w.ndim - lead - 2))
         facts = {"groups": module.feature_group_count} if isinstance(module, hk.ConvND) else {}
-        return Layout("conv", {"kernel": Param(w, axes(*window, "in", "out")), "bias": Param(b, axes("out"))}, facts=facts)
+        kernel = Param(w, axes(*window, "in", "out"))
+        return Layout("conv", {"kernel": kernel, "bias": Param(b, axes("out"))}, facts=facts)
     if names == {"embeddings"}:
         return Layout("embedding", {"embedding": Param(values["embeddings"], axes("vocab", "features"))})
     if names <= {"scale", "offset"}:
@@ -364,7 +382,11 @@ def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: di
             return Layout("batch_norm", {**norm, **{n: Param(s["average"], feature) for n, s in stats.items()}})
         return Layout("norm", norm, facts=facts)
     if names == {"w_i", "w_h", "b"}:
-        raise refuse(path, "hk.GRU has no exact counterpart: it applies the reset gate before the recurrent matmul, Equinox's and NNX's cells after")
+        raise refuse(
+            path,
+            "hk.GRU has no exact counterpart: it applies the reset gate before the recurrent matmul, Equinox's and "
+            "NNX's cells after",
+        )
     raise refuse(path, f"no known parameter layout for Haiku parameters {sorted(names)}")
 
 

@@ -31,8 +31,8 @@ from jaxtyping import PyTree
 from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
+from .._engine._layouts import Container, Layout, Param, axes, refuse
 from .._engine._paths import AbstractConverted
-from .._engine._layouts import axes, Container, Layout, Param, refuse
 
 Path = tuple[str, ...]
 
@@ -362,9 +362,11 @@ def _nnx_spec(layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str
     """(kind, {name: (attributes, axes)}, orders, facts) of an NNX layer."""
     if isinstance(layer, nnx.LinearGeneral) and isinstance(parent, nnx.MultiHeadAttention):
         if attr in _ATTENTION_INPUTS:
-            return "attention_in", {"kernel": (("kernel",), axes("in", "heads", "head_dim")), "bias": (("bias",), axes("heads", "head_dim"))}, {}, {}
+            kernel = (("kernel",), axes("in", "heads", "head_dim"))
+            return "attention_in", {"kernel": kernel, "bias": (("bias",), axes("heads", "head_dim"))}, {}, {}
         if attr == "out":
-            return "attention_out", {"kernel": (("kernel",), axes("heads", "head_dim", "out")), "bias": (("bias",), axes("out"))}, {}, {}
+            kernel = (("kernel",), axes("heads", "head_dim", "out"))
+            return "attention_out", {"kernel": kernel, "bias": (("bias",), axes("out"))}, {}, {}
     if isinstance(layer, nnx.Linear) or (
         isinstance(layer, nnx.LinearGeneral) and len(layer.in_features) == len(layer.out_features) == 1
     ):

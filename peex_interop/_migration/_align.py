@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._diagnostics._summary import summary
+from .._diagnostics._table import AbstractTabular, Table
 from .._hooks._backward import BackwardHook
 from .._hooks._forward import ForwardHook
 from .._hooks._logs import IdentityLog
-from .._diagnostics._summary import summary
-from .._diagnostics._table import AbstractTabular, Table
 
 _REPEAT = re.compile(r"@\d+\Z")
 

@@ -1,7 +1,6 @@
 import re
 from typing import Any
 
-
 _SUFFIX = re.compile(r"(@\d+)?(:in)?\Z")
 
 
@@ -21,8 +20,8 @@ def rename(log: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
     """
     renamed = {}
     for key, value in log.items():
-        suffix = _SUFFIX.search(key).group(0)
-        base = key[: len(key) - len(suffix)]
+        base = _SUFFIX.sub("", key, count=1)  # both parts are optional: every key has a (maybe empty) suffix
+        suffix = key[len(base):]
         new = mapping.get(base, base) + suffix
         if new in renamed:
             raise ValueError(f"rename maps two keys of the log to {new!r}")
