@@ -1,8 +1,10 @@
 """Every runnable snippet in docs/ and every example in examples/ runs."""
 
+import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,25 @@ PRINTS = {
 assert set(PRINTS) <= {example.name for example in EXAMPLES}  # no check lost to a rename
 
 
+@pytest.fixture(scope="module", autouse=True)
+def example_runs(tmp_path_factory):
+    """Every example, run as a user would run it (outputs in a temporary folder), started
+    when this module starts: as many at a time as there are cores, in the background of
+    the snippet tests, since each mostly waits on its own imports and XLA compiles."""
+
+    def run(example):
+        cwd = tmp_path_factory.mktemp(example.stem)
+        command = [sys.executable, str(example)]
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        yield {example: pool.submit(run, example) for example in EXAMPLES}
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_examples_run(example, tmp_path):
-    # Each example runs as a user would run it; outputs go to a temporary folder.
-    result = subprocess.run(
-        [sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
+def test_examples_run(example, example_runs):
+    result = example_runs[example].result()
     assert result.returncode == 0, result.stderr
     assert result.stdout
     for number in PRINTS.get(example.name, []):
