@@ -20,14 +20,10 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import peex_interop as px
-
-
-def close(a, b, tol=1e-5):
-    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+from models import close
 
 STEPS = 3
 
