@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 CORE_VENV := build/core-venv
 # The Equinox-only test modules, and the adapters' (which skip without their library).
 CORE_TESTS := tests/test_backward.py tests/test_depth.py tests/test_matrix_equinox.py \
+	tests/test_property_architectures.py \
 	tests/test_peex_compat.py tests/test_safety.py tests/test_selection.py \
 	tests/test_transforms.py tests/test_packaging.py tests/test_haiku.py tests/test_nnx.py \
 	tests/test_linen.py

@@ -55,7 +55,7 @@ from flax import nnx
 import peex_interop as px
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from models import MLP, Transformer  # noqa: E402
+from models import MLP, Transformer
 
 BATCH = 256
 WIDTH = 64
@@ -364,8 +364,9 @@ TRAIN_PARTS = {
 
 def train_variants(name):
     """The training step with statistics on every layer, with parts of them
-    (`TRAIN_PARTS`), and without hooks; and ten steps with statistics on one of them (`Recorder(every=10)`, `Recorder.due` choosing
-    the step variant), against ten plain steps."""
+    (`TRAIN_PARTS`), and without hooks; and ten steps with statistics on one of them
+    (`Recorder(every=10)`, `Recorder.due` choosing the step variant), against ten plain
+    steps."""
     model, x, batched = make_model(name)
     optimizer = optax.adam(1e-3)
     calls = {}
@@ -559,15 +560,15 @@ FIRST_CALL_ROWS = [
 # from the heavier grad steps); peex 0.0.3 only hooks depth-1 attributes. A new
 # framework adds its variants function and its models here.
 FORWARD, GRAD = ["raw", "identity", "log"], ["grad raw", "grad logged"]
-HAIKU_GROUPS = [FORWARD + ["native log", "unhooked"], GRAD + ["grad unhooked"]]
+HAIKU_GROUPS = [[*FORWARD, "native log", "unhooked"], [*GRAD, "grad unhooked"]]
 NNX_GROUPS = [
-    FORWARD + ["raw nnx.jit", "capture log", "unhooked"],
-    GRAD + ["grad nnx.jit", "grad unhooked"],
+    [*FORWARD, "raw nnx.jit", "capture log", "unhooked"],
+    [*GRAD, "grad nnx.jit", "grad unhooked"],
 ]
 TRAIN = ["train stats", "train plain", *TRAIN_PARTS]
 TRAIN_TEN = ["train stats every 10", "train plain x10"]
 MODELS = {
-    "seed MLP": (equinox_variants, [FORWARD + ["peex log"], GRAD]),
+    "seed MLP": (equinox_variants, [[*FORWARD, "peex log"], GRAD]),
     "MLP depth 12": (lambda name: equinox_variants(name) | train_variants(name),
                      [FORWARD, GRAD, TRAIN, TRAIN_TEN]),
     "transformer": (equinox_variants, [FORWARD, GRAD]),

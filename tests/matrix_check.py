@@ -19,7 +19,6 @@ Everything runs under `jax.checking_leaks()`.
 
 import contextlib
 import functools
-import gc
 import re
 from collections.abc import Callable
 from typing import Any
@@ -34,21 +33,6 @@ import peex_interop as px
 from models import close
 
 MODES = ("eager", "filter_jit")
-
-
-@pytest.fixture(scope="module")
-def thawed_after_module():
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def frozen_heap(thawed_after_module):
-    """`jax.checking_leaks()` runs a full `gc.collect()` per trace; freezing the heap
-    built before each test (imports, caches, models) keeps those collections to the
-    objects the test creates, tracers included, so leaks are still found."""
-    gc.collect()
-    gc.freeze()
 
 
 def _call(hooked, args):

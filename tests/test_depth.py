@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import peex_interop as px
 import models
-from models import Deep, MLP, transformer, tokens
+import peex_interop as px
+from models import MLP, Deep, tokens, transformer
 
 # Hand computations here repeat the model's own operations: a tighter tolerance.
 close = partial(models.close, tol=1e-6)
@@ -131,7 +131,11 @@ def test_inherited_call_and_super_call_are_hooked_once():
 def test_batchnorm_inside_sequential_with_state():
     keys = jax.random.split(jax.random.key(0), 2)
     model, state = eqx.nn.make_with_state(eqx.nn.Sequential)(
-        [eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"), eqx.nn.Linear(4, 2, key=keys[1])]
+        [
+            eqx.nn.Linear(3, 4, key=keys[0]),
+            eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
+            eqx.nn.Linear(4, 2, key=keys[1]),
+        ]
     )
     xs = jax.random.normal(jax.random.key(2), (5, 3))
     hooked = px.ForwardHook(model, log_fn=px.IdentityLog())

@@ -322,9 +322,9 @@ def test_rng_models_take_the_key_the_documented_way():
 
 def test_bad_input():
     transformed, params, model, x = convert("mlp")
-    with pytest.raises(TypeError, match="hk.transform"):
+    with pytest.raises(TypeError, match=r"hk\.transform"):
         px.from_haiku(mlp_fn, params)
-    with pytest.raises(px.HookError, match="closest available paths: mlp.linear_0"):
+    with pytest.raises(px.HookError, match=r"closest available paths: mlp\.linear_0"):
         px.ForwardHook(model, where="mlp.linear0")
 
 

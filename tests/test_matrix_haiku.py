@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import peex_interop as px
-from matrix_check import MODES, check_refused, check_threaded, frozen_heap, nested, thawed_after_module  # noqa: F401 (fixtures)
+from matrix_check import MODES, check_refused, check_threaded, nested
 from models import close
 
 W, STEPS, B = 3, 3, 2

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import peex_interop as px
-from matrix_check import MODES, check_refused, check_threaded, frozen_heap, nested, thawed_after_module  # noqa: F401 (fixtures)
+from matrix_check import MODES, check_refused, check_threaded, nested
 
 W, STEPS, B = 3, 3, 2
 

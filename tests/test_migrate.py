@@ -19,7 +19,7 @@ import peex_interop as px
 from models import random_like
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-import migrate  # noqa: E402  (the example's three implementations of one network)
+import migrate
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,8 @@ def trio():
     haiku = px.from_haiku(transformed, random_like(jax.eval_shape(transformed.init, jax.random.key(1), images), 1))
     graphdef, state = nnx.split(nnx.eval_shape(lambda: migrate.NnxNet(nnx.Rngs(2))))
     nnx_net = px.from_nnx(nnx.merge(graphdef, random_like(state, 2)))
-    return images, {"haiku": haiku, "nnx": nnx_net, "equinox": random_like(eqx.filter_eval_shape(migrate.EquinoxNet, jax.random.key(3)), 3)}
+    equinox_net = random_like(eqx.filter_eval_shape(migrate.EquinoxNet, jax.random.key(3)), 3)
+    return images, {"haiku": haiku, "nnx": nnx_net, "equinox": equinox_net}
 
 
 EXPECTED = {
@@ -41,7 +42,10 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("a, b", [("equinox", "haiku"), ("haiku", "equinox"), ("equinox", "nnx"), ("nnx", "equinox"), ("haiku", "nnx"), ("nnx", "haiku")])
+@pytest.mark.parametrize(
+    "a, b",
+    [(a, b) for a in ("equinox", "haiku", "nnx") for b in ("equinox", "haiku", "nnx") if a != b],
+)
 def test_alignment_in_every_direction_then_transfer_and_compare(trio, a, b):
     images, models = trio
     alignment = px.align(models[a], models[b], images)
@@ -92,7 +96,10 @@ class NnxAttention(nnx.Module):
 
 def test_alignment_of_attention_across_libraries():
     x = jax.random.normal(jax.random.key(0), (2, 5, 8))
-    transformed = hk.without_apply_rng(hk.transform(lambda x: hk.MultiHeadAttention(2, 4, w_init=hk.initializers.VarianceScaling())(x, x, x)))
+    def attend(x):
+        return hk.MultiHeadAttention(2, 4, w_init=hk.initializers.VarianceScaling())(x, x, x)
+
+    transformed = hk.without_apply_rng(hk.transform(attend))
     models = {
         "equinox": Attention(eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1))),
         "haiku": px.from_haiku(transformed, transformed.init(jax.random.key(2), x)),
@@ -155,14 +162,17 @@ def test_rename_round_trips_and_wrapper_argument(trio):
     assert set(renamed_at_source) == set(old_keys)
     jax.tree.map(np.testing.assert_array_equal, renamed_at_source, old_keys)
     # Suffixes of repeated calls and pre-logs survive.
-    assert set(px.rename({"hidden@1": 1, "hidden:in": 2, "other": 3}, {"hidden": "fc1"})) == {"fc1@1", "fc1:in", "other"}
+    renamed = px.rename({"hidden@1": 1, "hidden:in": 2, "other": 3}, {"hidden": "fc1"})
+    assert set(renamed) == {"fc1@1", "fc1:in", "other"}
     with pytest.raises(ValueError, match="two keys"):
         px.rename({"a": 1, "b": 2}, {"a": "b"})
 
 
 def test_backward_rename_keys_slots_and_gradients(trio):
     images, models = trio
-    hooked = px.BackwardHook(models["nnx"], log_fn=px.MeanLog(), where=px.kind("linear"), rename={"hidden": "fc1", "out": "fc2"}).init(images)
+    hooked = px.BackwardHook(
+        models["nnx"], log_fn=px.MeanLog(), where=px.kind("linear"), rename={"hidden": "fc1", "out": "fc2"}
+    ).init(images)
     assert set(hooked.log) == {"fc1", "fc2"}
     grads = eqx.filter_grad(lambda h: jnp.sum(h(images)))(hooked)
     assert set(grads.log) == {"fc1", "fc2"}
@@ -172,7 +182,8 @@ def test_transfer_errors_name_the_layer(trio):
     images, models = trio
     with pytest.raises(px.HookError, match=r"layer 'mlp.layers.0'.*does not fit"):
         px.transfer_params(models["haiku"], models["equinox"], {"fc2": "mlp.layers.0"})
-    no_bias = eqx.tree_at(lambda m: m.mlp.layers[1], models["equinox"], eqx.nn.Linear(32, 10, use_bias=False, key=jax.random.key(0)))
+    without_bias = eqx.nn.Linear(32, 10, use_bias=False, key=jax.random.key(0))
+    no_bias = eqx.tree_at(lambda m: m.mlp.layers[1], models["equinox"], without_bias)
     with pytest.raises(px.HookError, match=r"layer 'mlp.layers.1'.*has a bias"):
         px.transfer_params(models["haiku"], no_bias, {"fc2": "mlp.layers.1"})
     with pytest.raises(px.HookError, match="no layer 'nope'"):
@@ -216,7 +227,11 @@ def test_transfer_of_embeddings_and_norms_in_every_direction():
         "nnx": px.from_nnx(NnxEmbedNorm(nnx.Rngs(3))),
     }
     for a, b in (("haiku", "equinox"), ("haiku", "nnx"), ("equinox", "nnx")):
-        source = models[a] if a == "haiku" else px.transfer_params(models["haiku"], models[a], px.align(models["haiku"], models[a], tokens).mapping)
+        if a == "haiku":
+            source = models[a]
+        else:
+            mapping = px.align(models["haiku"], models[a], tokens).mapping
+            source = px.transfer_params(models["haiku"], models[a], mapping)
         alignment = px.align(source, models[b], tokens)
         assert sorted(alignment.mapping) == ["embed", "norm"]
         port = px.transfer_params(source, models[b], alignment.mapping)

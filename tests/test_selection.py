@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
+from models import MLP, Deep
 from peex_interop._engine._selection import glob_to_regex
-from models import Deep, MLP
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import peex_interop as px
-from models import Deep, close, transformer, tokens
+from models import Deep, close, tokens, transformer
 
 
 def hooked_call(hooked, x):
