@@ -310,3 +310,25 @@ def test_builtin_attention_inside_nested_jits():
         assert sorted(log) == ["attn.query_proj", "attn.query_proj@1"]
         close(log["attn.query_proj"], jax.vmap(model.attn.query_proj)(x))
         close(log["attn.query_proj@1"], jax.vmap(model.attn.query_proj)(model.attn(x, x, x)))
+
+
+# Compiled at import, with a threaded transform inside and no layer.
+_SQUASH = jax.jit(lambda y: jax.lax.cond(jnp.sum(y) > 0, jnp.tanh, jnp.sin, y))
+
+
+class Squashed(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return _SQUASH(self.lin(x))
+
+
+def test_layer_free_transforms_under_an_unthreaded_one_do_not_refuse_backward_logs():
+    # The cond inside the jit receives the backward slots but attaches none: nothing
+    # needs to leave the jit, so nothing is refused.
+    model = Squashed(LAYER)
+    backward = px.BackwardHook(model, log_fn=px.IdentityLog()).init(X)
+    with jax.checking_leaks():
+        grads = eqx.filter_grad(lambda h: jnp.sum(h(X) ** 2))(backward)
+    y, pullback = jax.vjp(lambda y: jnp.sum(_SQUASH(y) ** 2), LAYER(X))
+    close(grads.log["lin"], pullback(jnp.ones_like(y))[0])

@@ -61,6 +61,8 @@ class _Scope:
     # (a vmap inside a while_loop): nothing recorded in it can leave.
     foreign: bool = False
     logs: dict = dataclasses.field(default_factory=dict)
+    # Keys of the backward slots attached in this body (and the bodies inside it).
+    probed: set = dataclasses.field(default_factory=set)
     # Body inputs are new tracers: map them to the model leaves they stand for, so layers
     # rebuilt from them (e.g. `eqx.combine` in a scan over a layer stack) are recognised.
     # id(inner leaf) -> (paths of the model leaf, inner leaf, outer leaf)
@@ -276,6 +278,7 @@ class HookContext:
             )
         probe = probes[site.key]
         check_same_shape(site.key, "the BackwardHook.log entry (from .init)", template, probe)
+        self.scopes[-1].probed.add(site.key)
         return probe
 
     # -- transformed bodies -------------------------------------------------------------
@@ -321,16 +324,19 @@ class HookContext:
                 leaf = entry[2]
         return leaf
 
-    def exit_body(self) -> dict:
-        return self.scopes.pop().logs
+    def exit_body(self) -> tuple[dict, set]:
+        """Close the innermost body's scope: its logs and the slots it attached."""
+        scope = self.scopes.pop()
+        return scope.logs, scope.probed
 
-    def merge(self, logs: dict, used_probes: dict) -> None:
+    def merge(self, logs: dict, probed: set) -> None:
         """Bring what a body returned into the current scope: only if the body's
         transform ran in this scope's trace (a threaded transform nested in one that
         is not would otherwise leak its logs' tracers)."""
-        if logs or used_probes:
-            self._admit({key.split("@")[0] for key in (*logs, *used_probes)}, "bring out the logs")
+        if logs or probed:
+            self._admit({key.split("@")[0] for key in (*logs, *probed)}, "bring out the logs")
         self.scopes[-1].logs.update(logs)
+        self.scopes[-1].probed |= probed
 
     @property
     def logs(self) -> dict:

@@ -49,6 +49,7 @@ class _Body:
         self.start = [dict(c.counts) for c in self.contexts]
         self.end = self.start
         self.foreign = [c.in_foreign_trace() for c in self.contexts]
+        self.probed: list[set] = [set() for _ in self.contexts]
 
     def __call__(self, probes: list, inner: Any, args: tuple, kwargs: dict):
         for context, counts, probe, foreign in zip(self.contexts, self.start, probes, self.foreign):
@@ -58,7 +59,9 @@ class _Body:
         try:
             out = self.fn(*args, **kwargs)
         finally:
-            logs = [context.exit_body() for context in self.contexts]
+            exits = [context.exit_body() for context in self.contexts]
+        logs = [log for log, _ in exits]
+        self.probed = [probed for _, probed in exits]
         self.end = [dict(c.counts) for c in self.contexts]
         return out, logs
 
@@ -107,15 +110,15 @@ class _Body:
         try:
             probes = self.probes(run, logs_of)
             result = run(probes)
-            self.finish(logs_of(result), probes)
+            self.finish(logs_of(result))
         finally:
             self.release()
         return result
 
-    def finish(self, logs: list, probes: list, end: list | None = None) -> None:
-        for context, counts, log, used in zip(self.contexts, end or self.end, logs, probes):
+    def finish(self, logs: list, end: list | None = None, probed: list | None = None) -> None:
+        for context, counts, log, slots in zip(self.contexts, end or self.end, logs, probed or self.probed):
             context.counts = counts
-            context.merge(log, used)
+            context.merge(log, slots)
 
     def release(self) -> None:
         self.fn = self.outer = None
@@ -255,7 +258,8 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
             {path: max(counts.get(path, 0) for counts in per_context) for path in set().union(*per_context)}
             for per_context in zip(*(body.end for body in bodies))
         ]
-        bodies[0].finish(logs, probes, end)
+        probed = [set().union(*per_context) for per_context in zip(*(body.probed for body in bodies))]
+        bodies[0].finish(logs, end, probed)
     finally:
         for body in bodies:
             body.release()
@@ -337,7 +341,7 @@ def threaded_checkpoint(real_checkpoint: Callable) -> Callable:
                 probes = body.enclosing_probes()
                 run = real_checkpoint(_probes_first(fun, checkpointed_body), **shifted)
                 out, logs = run(probes, *args, **kwargs)
-                body.finish(logs, probes)
+                body.finish(logs)
             finally:
                 body.release()
             return out
@@ -381,7 +385,7 @@ def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwa
         probes = body.enclosing_probes()
         dynamic = jitted(probes, *call_args, **call_kwargs)
         out, logs = eqx.combine(dynamic, static_out[-1])
-        body.finish(logs, probes)
+        body.finish(logs)
     finally:
         body.release()
     return out
