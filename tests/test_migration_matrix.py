@@ -112,6 +112,31 @@ def conv(dims):
     return build
 
 
+def conv_transpose(dims, kernel, stride, padding, output_padding, transpose_kernel):
+    """The same transposed convolution in each library: Equinox's `padding` is the
+    forward conv's, Haiku's and NNX's pairs pad the dilated input, (k-1-p, k-1-p+a)."""
+
+    def build():
+        x = jax.random.normal(jax.random.key(0), (2,) + (5,) * dims + (4,))
+        pairs = [(kernel - 1 - padding, kernel - 1 - padding + output_padding)] * dims
+        layer = lambda x: hk.ConvNDTranspose(dims, 6, kernel, stride, padding=pairs, name="deconv")(x)
+        return x, {
+            "equinox": EqxBatched(
+                eqx.nn.ConvTranspose(
+                    dims, 4, 6, kernel, stride, padding=padding, output_padding=output_padding, key=jax.random.key(1)
+                ),
+                channels_first=True,
+            ),
+            "haiku": haiku(layer, x),
+            "nnx": px.from_nnx(NnxOne(nnx.ConvTranspose(
+                4, 6, (kernel,) * dims, strides=stride, padding=pairs, transpose_kernel=transpose_kernel,
+                rngs=nnx.Rngs(2),
+            ))),
+        }
+
+    return build
+
+
 class EqxEmbedNorm(eqx.Module):
     embed: eqx.nn.Embedding
     norm: eqx.Module
@@ -352,6 +377,9 @@ KINDS = {
     "linear": (mlp, 1e-5),
     "conv1d_groups": (conv(1), 1e-5),
     "conv2d_groups": (conv(2), 1e-5),
+    "conv_transpose1d": (conv_transpose(1, 3, 2, 1, 1, False), 1e-5),
+    "conv_transpose2d_flipped": (conv_transpose(2, 4, 2, 1, 0, True), 1e-5),
+    "conv_transpose1d_stride_over_kernel": (conv_transpose(1, 2, 3, 0, 2, True), 1e-5),
     "embedding_layer_norm": (embed_norm("layer"), 1e-5),
     "embedding_rms_norm": (embed_norm("rms"), 1e-5),
     "batch_norm_statistics": (batch_norm, 1e-5),
@@ -484,11 +512,20 @@ def test_containers_need_their_parts_in_the_mapping():
         )
 
 
+def test_a_conv_transpose_padded_differently_is_refused():
+    # Equinox's padding=0 and lax's "VALID" agree for stride <= kernel only: with stride
+    # 3 over a kernel of 2, lax pads the dilated input by (1, 2), Equinox by (1, 1).
+    equinox = EqxBatched(eqx.nn.ConvTranspose1d(4, 6, 2, 3, key=jax.random.key(1)), channels_first=True)
+    valid = px.from_nnx(NnxOne(nnx.ConvTranspose(4, 6, (2,), strides=3, padding="VALID", rngs=nnx.Rngs(2))))
+    with pytest.raises(px.HookError, match=r"layer 'layer'.*padding is \(\(1, 1\),\) in the source, \(\(1, 2\),\)"):
+        px.transfer_params(equinox, valid, {"layer": "layer"})
+    conv = EqxBatched(eqx.nn.Conv1d(4, 6, 2, key=jax.random.key(1)), channels_first=True)
+    with pytest.raises(px.HookError, match=r"layer 'layer'.*source is a conv_transpose layer, the destination a conv"):
+        px.transfer_params(equinox, conv, {"layer": "layer"})
+
+
 def test_layers_without_an_exact_mapping_are_refused():
     x = jnp.ones((2, 5, 4))
-    transposed = EqxBatched(eqx.nn.ConvTranspose1d(4, 4, 3, padding=1, key=jax.random.key(0)), channels_first=True)
-    with pytest.raises(px.HookError, match=r"cannot map layer 'layer'.*ConvTranspose1d"):
-        px.transfer_params(transposed, transposed, {"layer": "layer"})
     gru = haiku(lambda x: hk.GRU(4, name="gru")(x[:, 0], jnp.zeros((2, 4)))[0], x)
     with pytest.raises(px.HookError, match=r"cannot map layer 'gru'.*reset gate"):
         px.transfer_params(gru, gru, {"gru": "gru"})

@@ -90,6 +90,10 @@ def _equinox_fields(module: Any, parent: Any, field: str | None, path: str) -> t
         window = tuple(f"window{i}" for i in range(module.num_spatial_dims))
         fields = {"kernel": ("weight", axes("out", "in", *window)), "bias": ("bias", axes("out", *[()] * len(window)))}
         return "conv", fields, {}, {}, {"groups": module.groups}
+    if isinstance(module, eqx.nn.ConvTranspose):
+        window = tuple(f"window{i}" for i in range(module.num_spatial_dims))
+        fields = {"kernel": ("weight", axes("out", "in", *window)), "bias": ("bias", axes("out", *[()] * len(window)))}
+        return "conv_transpose", fields, {}, {}, _transpose_facts(module)
     if isinstance(module, eqx.nn.Embedding):
         return "embedding", {"embedding": ("weight", axes("vocab", "features"))}, {}, {}, {}
     if isinstance(module, (eqx.nn.LayerNorm, eqx.nn.RMSNorm)) and len(module.shape) == 1:
@@ -117,6 +121,15 @@ def _equinox_fields(module: Any, parent: Any, field: str | None, path: str) -> t
         }
         return "gru", fields, {}, {"gate": ("r", "z", "n")}, {}
     raise refuse(path, f"no known parameter layout for {type(module).__name__}")
+
+
+def _transpose_facts(module: eqx.nn.ConvTranspose) -> dict:
+    # Equinox runs `weight` unflipped over the input dilated by the stride, padded as
+    # `_padding_transpose` says (its `padding` is the forward conv's, `output_padding`
+    # included).
+    padding = module._padding_transpose() if module.padding_mode == "ZEROS" else module.padding_mode
+    stride, dilation = tuple(module.stride), tuple(module.dilation)
+    return {"groups": module.groups, "stride": stride, "dilation": dilation, "padding": padding}
 
 
 def _batch_norm_stats(module: eqx.nn.BatchNorm, state: eqx.nn.State) -> tuple[Any, Any]:

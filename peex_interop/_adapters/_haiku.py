@@ -19,7 +19,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._engine import _context
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, refuse
+from .._engine._layouts import Container, Layout, Param, axes, lax_transpose_padding, refuse
 from .._engine._paths import AbstractConverted
 
 HAIKU_KINDS: dict[type, str] = {
@@ -324,7 +324,26 @@ def _lstm(params: dict, local: tuple[str, ...]) -> tuple[Layout, str]:
     return layout, key
 
 
-_NO_TRANSPOSE = "conv-transpose kernels are not transferred (the libraries flip and order them differently)"
+def _transpose(params: dict, local: tuple[str, ...], module: hk.ConvNDTranspose) -> Layout:
+    # Haiku runs `w` (*window, out, in) unflipped over the input dilated by the stride.
+    path = ".".join(local)
+    if module.output_shape is not None:
+        raise refuse(path, "with output_shape= its padding depends on the input size, so no other layer's can be "
+                     "checked equal")
+    key = _param_key(params, local)
+    if key is None:
+        raise HookError(f"transfer_params: the hk.ConvNDTranspose at {path!r} has no parameters")
+    w, b = params[key]["w"], params[key].get("b")
+    dims = module.num_spatial_dims
+    window = tuple(f"window{i}" for i in range(dims))
+    padding = lax_transpose_padding(module.kernel_shape, module.stride, (1,) * dims, module.padding)
+    facts = {"groups": 1, "stride": tuple(module.stride), "dilation": (1,) * dims, "padding": padding}
+    bias = axes("out") if module.channel_index == -1 else axes("out", *[()] * dims)
+    return Layout("conv_transpose", {"kernel": Param(w, axes(*window, "out", "in")), "bias": Param(b, bias)},
+                  facts=facts)
+
+
+_NO_TRANSPOSE = "a conv-transpose layer's stride and padding are known from a call (pass inputs=)"
 
 
 def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
@@ -339,7 +358,7 @@ def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: di
             "(hk.GRU applies the reset gate before the recurrent matmul)",
         )
     if isinstance(module, hk.ConvNDTranspose):
-        raise refuse(path, _NO_TRANSPOSE)
+        return _transpose(params, local, module)
     key = _param_key(params, local)
     if key is None:
         parts = [

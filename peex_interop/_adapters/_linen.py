@@ -29,8 +29,9 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, refuse
+from .._engine._layouts import Container, Layout, axes, placed, refuse
 from .._engine._paths import AbstractConverted
+from ._nnx import flax_transpose_spec
 
 Path = tuple[str, ...]
 
@@ -321,7 +322,11 @@ def _linen_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> tup
     if isinstance(module, nn.GRUCell) or (module is None and not own and children == _GRU_NAMES):
         raise refuse(path, "GRU cells are not transferred (no other library's adapter reads them yet)")
     if isinstance(module, nn.ConvTranspose):
-        raise refuse(path, "conv-transpose kernels are not transferred (the libraries flip and order them differently)")
+        kernel_size = (module.kernel_size,) if isinstance(module.kernel_size, int) else module.kernel_size
+        declared, orders, facts = flax_transpose_spec(module, len(kernel_size))
+        return "conv_transpose", _single({name: ("params", name, ax) for name, ax in declared.items()}), orders, facts
+    if module is None and "ConvTranspose" in path:
+        raise refuse(path, "a conv-transpose layer's stride and padding are known from a call (pass inputs=)")
     if "kernel" in own:
         kind, spec, facts = _kernel_spec(variables, local, module, parent)
         return kind, spec, {}, facts
@@ -359,10 +364,10 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
     for name, (locations, ax) in spec.items():
         found = [_node(variables.get(collection, {}), (*local, *relative)) for collection, relative in locations]
         if any(value is None for value in found):
-            values[name] = Param(None, ax)
+            values[name] = placed(None, ax)
         else:
             # Several variables (one per gate) form one parameter along a gate axis.
-            values[name] = Param(found[0] if len(found) == 1 else jnp.stack(found, axis=-2), ax)
+            values[name] = placed(found[0] if len(found) == 1 else jnp.stack(found, axis=-2), ax)
     return Layout(kind, values, {}, orders, facts)
 
 

@@ -31,7 +31,7 @@ from jaxtyping import PyTree
 from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, refuse
+from .._engine._layouts import Container, Layout, Param, axes, lax_transpose_padding, placed, refuse
 from .._engine._paths import AbstractConverted
 
 Path = tuple[str, ...]
@@ -375,6 +375,9 @@ def _nnx_spec(layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str
         window = tuple(f"window{i}" for i in range(len(layer.kernel_size)))
         spec = {"kernel": (("kernel",), axes(*window, "in", "out")), "bias": (("bias",), axes("out"))}
         return "conv", spec, {}, {"groups": layer.feature_group_count}
+    if isinstance(layer, nnx.ConvTranspose):
+        declared, orders, facts = flax_transpose_spec(layer, len(layer.kernel_size))
+        return "conv_transpose", {name: ((name,), ax) for name, ax in declared.items()}, orders, facts
     if isinstance(layer, nnx.Embed):
         return "embedding", {"embedding": (("embedding",), axes("vocab", "features"))}, {}, {}
     norm = {"scale": (("scale",), axes("features")), "offset": (("bias",), axes("features"))}
@@ -401,6 +404,32 @@ def _nnx_spec(layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str
         }
         return "gru", spec, {"gate": ("r", "z", "n")}, {}
     raise refuse(path, f"no known parameter layout for {type(layer).__name__}")
+
+
+def flax_transpose_spec(layer: Any, dims: int) -> tuple[dict, dict, dict]:
+    """({name: axes or Param template}, orders, facts) of an NNX or linen `ConvTranspose`: its kernel is run
+    unflipped over the input dilated by the stride, or with `transpose_kernel=True`
+    stored (*window, out, in) and spatially flipped."""
+    window = tuple(f"window{i}" for i in range(dims))
+    ones = (1,) * dims
+
+    def spread(value: Any) -> tuple[int, ...]:
+        return ones if value is None else (value,) * dims if isinstance(value, int) else tuple(value)
+
+    kernel_size, strides, dilation = spread(layer.kernel_size), spread(layer.strides), spread(layer.kernel_dilation)
+    padding = layer.padding
+    if isinstance(padding, int):
+        padding = [(padding, padding)] * dims
+    elif not isinstance(padding, str):
+        padding = [(p, p) if isinstance(p, int) else p for p in padding]
+    if padding != "CIRCULAR":
+        padding = lax_transpose_padding(kernel_size, strides, dilation, padding)
+    facts = {"groups": 1, "stride": strides, "dilation": dilation, "padding": padding}
+    if layer.transpose_kernel:
+        kernel = Param(None, axes(*window, "out", "in"), flipped=window)
+    else:
+        kernel = Param(None, axes(*window, "in", "out"))
+    return {"kernel": kernel, "bias": axes("out")}, {}, facts
 
 
 def _variable(layer: nnx.Module, dotted: str) -> Any:
@@ -436,7 +465,7 @@ def _nnx_layout(root: nnx.Module, local: Path) -> Layout | Container:
         if parts:
             return Container(tuple(parts))
     kind, spec, orders, facts = _nnx_spec(layer, parent, local[-1] if local else "", path)
-    params = {name: Param(_value(layer, attributes), ax) for name, (attributes, ax) in spec.items()}
+    params = {name: placed(_value(layer, attributes), ax) for name, (attributes, ax) in spec.items()}
     return Layout(kind, params, {}, orders, facts)
 
 

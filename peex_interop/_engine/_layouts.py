@@ -35,6 +35,9 @@ LAYOUT_KINDS: dict[str, dict[str, tuple[str, ...]]] = {
     "attention_in": {"kernel": ("in", "heads", "head_dim"), "bias": ("heads", "head_dim")},
     "attention_out": {"kernel": ("heads", "head_dim", "out"), "bias": ("out",)},
     "conv": {"kernel": ("window", "in", "out"), "bias": ("out",)},
+    # The kernel of the stride-1 convolution the libraries run over the input dilated by
+    # the stride (`lax.conv_transpose`); `facts` carry that convolution's padding.
+    "conv_transpose": {"kernel": ("window", "in", "out"), "bias": ("out",)},
     "embedding": {"embedding": ("vocab", "features")},
     "norm": {"scale": ("features",), "offset": ("features",)},
     "batch_norm": {"scale": ("features",), "offset": ("features",), "mean": ("features",), "var": ("features",)},
@@ -69,6 +72,15 @@ class Param:
     # constant): Haiku's LSTM adds 1 to the forget gate's bias, `("gate", "f", 1.0)`.
     # Conversion carries the value used, not the value stored.
     shift: tuple[tuple[str, str, float], ...] = ()
+    # Atoms stored in reverse order: flax's `ConvTranspose(transpose_kernel=True)` keeps
+    # its kernel spatially flipped, `("window0", "window1")`.
+    flipped: tuple[str, ...] = ()
+
+
+def placed(value: Any, declared: "Axes | Param") -> Param:
+    """`value` as a `Param` of `declared`: axes, or a `Param` whose other fields (a flip)
+    an adapter declares with them."""
+    return dataclasses.replace(declared, value=value) if isinstance(declared, Param) else Param(value, declared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +190,13 @@ def convert(path: str, name: str, source: Layout, target: Layout) -> Any:
     if missing:
         raise refuse(path, f"{name}: the size of axes {missing} is known to neither side")
     value = jnp.reshape(src.value, src_stack + tuple(merged[a] for a in _atoms(src.axes)))
+    value = _flipped(value, src, len(src_stack))
     value = _shifted(value, src, len(src_stack), source.orders, +1)
     value = _reorder(path, name, value, _atoms(src.axes), len(src_stack), source.orders, target.orders)
     order = [_atoms(src.axes).index(atom) for atom in _atoms(dst.axes)]
     value = jnp.transpose(value, (*range(len(src_stack)), *(len(src_stack) + i for i in order)))
     value = _shifted(value, dst, len(dst_stack), target.orders, -1)
+    value = _flipped(value, dst, len(dst_stack))
     value = jnp.reshape(value, dst.value.shape)
     return value.astype(dst.value.dtype)
 
@@ -211,6 +225,34 @@ def _shifted(value: Any, param: Param, lead: int, orders: dict, sign: int) -> An
         index[lead + atoms.index(atom)] = orders[atom].index(member)
         value = value.at[tuple(index)].add(sign * constant)
     return value
+
+
+def _flipped(value: Any, param: Param, lead: int) -> Any:
+    """`value`, in `param`'s atom order, with `param.flipped` atoms reversed (an
+    involution: stored to used and back)."""
+    atoms = _atoms(param.axes)
+    if not param.flipped:
+        return value
+    return jnp.flip(value, tuple(lead + atoms.index(atom) for atom in param.flipped))
+
+
+def lax_transpose_padding(
+    kernel: tuple[int, ...], strides: tuple[int, ...], dilation: tuple[int, ...], padding: Any
+) -> tuple[tuple[int, int], ...]:
+    """The padding `lax.conv_transpose` gives its dilated convolution (a fact of a
+    conv-transpose layout), from a padding string or explicit pairs."""
+    if not isinstance(padding, str):  # pairs pad the dilated convolution itself
+        return tuple((int(before), int(after)) for before, after in padding)
+    pads = []
+    for k, s, d in zip(kernel, strides, dilation):
+        k = (k - 1) * d + 1
+        if padding == "SAME":
+            total = k + s - 2
+            before = k - 1 if s > k - 1 else math.ceil(total / 2)
+        else:  # VALID
+            total, before = k + s - 2 + max(k - s, 0), k - 1
+        pads.append((before, total - before))
+    return tuple(pads)
 
 
 def _check_declared(layout: Layout) -> None:
