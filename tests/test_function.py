@@ -375,3 +375,24 @@ def test_patches_are_undone_on_every_path_and_threads_are_isolated(seed):
     assert patched and set(log) == {"decoder.0"}
     close(plain, autoencoder(params, x, *HYPER))
     assert (zephyr._nets.mlp.linear, zephyr.nets.linear, globals()["mlp"]) == originals
+
+
+def _conv_transpose(params, x):
+    return jax.lax.conv_transpose(x, params["w"], (2,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+
+
+class _Upsampler(eqx.Module):
+    up: eqx.nn.Conv1d
+
+    def __call__(self, x):
+        return jax.vmap(lambda v: self.up(v.T).T)(x)
+
+
+def test_a_conv_transpose_function_is_refused_not_read_as_a_conv():
+    # Its kind is "conv" (as zephyr's conv_transpose_* are), but its kernel is not a conv's.
+    x = jnp.ones((1, 8, 3))
+    model = from_function(lambda params, x: _conv_transpose(params["up"], x), {"up": {"w": jnp.ones((3, 3, 4))}},
+                          layers={_conv_transpose: "conv"})
+    conv = _Upsampler(eqx.nn.Conv1d(3, 4, 3, use_bias=False, key=jax.random.key(1)))
+    with pytest.raises(px.HookError, match=r"'up'.*conv-transpose"):
+        px.transfer_params(model, conv, {"up": "up"}, inputs=(x,))

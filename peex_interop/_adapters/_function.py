@@ -379,6 +379,9 @@ def _function_spec(model: FunctionModule, local: Path, modules: dict) -> tuple[s
             return "attention_out", {"kernel": (kernel, axes(heads, "out")), "bias": (bias or "bias", axes("out"))}
         if kind == "linear" or (kind is None and ndim == 2):
             return "linear", {"kernel": (kernel, axes("in", "out")), "bias": (bias or "bias", axes("out"))}
+        if kind == "conv" and "transpose" in getattr(getattr(layer, "function", None), "__name__", ""):
+            # zephyr's conv_transpose_* share the conv kind; their kernels are not mapped.
+            raise refuse(path, "a conv-transpose function's kernel layout is not mapped")
         if kind == "conv":
             window = tuple(f"window{i}" for i in range(ndim - 2))
             return "conv", {"kernel": (kernel, axes(*window, "in", "out")), "bias": (bias or "bias", axes("out"))}
