@@ -1,6 +1,10 @@
 """Small Equinox models shared by the tests, examples and benchmarks, and the tests'
 tolerance check."""
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,39 @@ import numpy as np
 def close(a, b, tol=1e-5):
     """Assert `a` and `b` agree elementwise within `tol`, relative and absolute."""
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def while_hooked_elsewhere(hooked_call: Callable[[Callable], Any], plain_call: Callable[[], Any]) -> tuple:
+    """Run `hooked_call(pause)` in another thread, where `pause` is a hook (or log) that
+    blocks inside that hooked call, patches installed, and `plain_call()` in this thread
+    meanwhile. Returns both results; an error of the hooked thread is raised here."""
+    inside, release = threading.Event(), threading.Event()
+    result: dict[str, Any] = {}
+
+    def pause(value):
+        inside.set()
+        release.wait(30)
+        return value
+
+    def hooked_thread():
+        try:
+            result["hooked"] = hooked_call(pause)
+        except BaseException as error:  # raised in the calling thread below
+            result["error"] = error
+        finally:
+            inside.set()
+
+    thread = threading.Thread(target=hooked_thread)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        plain = plain_call()
+    finally:
+        release.set()
+        thread.join(30)
+    if "error" in result:
+        raise result["error"]
+    return result["hooked"], plain
 
 
 class MLP(eqx.Module):

@@ -3,7 +3,6 @@
 the layer functions called by hand, backward logs against `jax.vjp`, transforms inside
 and around, kinds and summaries, transfer to Equinox, patch scoping and threads."""
 
-import threading
 
 import pytest
 
@@ -12,17 +11,13 @@ pytest.importorskip("zephyr")  # the test extra
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import zephyr._nets.mlp
 from zephyr.building.tracing import trace
 from zephyr.nets import dropout, layer_norm, linear, mlp, multi_head_self_attention, token_embed
 
 import peex_interop as px
+from models import close, while_hooked_elsewhere
 from peex_interop._adapters._function import from_function, layer_type
-
-
-def close(a, b, tol=1e-5):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 # -- the seed's autoencoder, as written ----------------------------------------------------
@@ -343,35 +338,11 @@ def test_patches_are_undone_on_every_path_and_threads_are_isolated(seed):
         px.ForwardHook(model, hook_fn=px.FunctionHook(failing), where="decoder.1")(x, *HYPER)
     assert (zephyr._nets.mlp.linear, zephyr.nets.linear, globals()["mlp"]) == originals
 
-    seen, errors = [], []
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(y):
-        inside.set()
-        release.wait(10)
-        return y
-
-    def hooked_thread():
-        try:
-            hooked = px.ForwardHook(model, hook_fn=px.FunctionHook(slow), log_fn=px.MeanLog(), where="decoder.0")
-            seen.append(hooked(x, *HYPER)[1])
-        except Exception as error:  # reported below
-            errors.append(error)
-
-    def plain_thread():
-        inside.wait(10)
+    (_, log), (patched, plain) = while_hooked_elsewhere(
+        lambda pause: px.ForwardHook(model, hook_fn=pause, log_fn=px.MeanLog(), where="decoder.0")(x, *HYPER),
         # The globals are patched now, and fall through to the originals here.
-        seen.append(zephyr._nets.mlp.linear is not originals[0])
-        seen.append(autoencoder(params, x, *HYPER))
-        release.set()
-
-    threads = [threading.Thread(target=hooked_thread), threading.Thread(target=plain_thread)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors
-    patched, plain, log = seen
+        lambda: (zephyr._nets.mlp.linear is not originals[0], autoencoder(params, x, *HYPER)),
+    )
     assert patched and set(log) == {"decoder.0"}
     close(plain, autoencoder(params, x, *HYPER))
     assert (zephyr._nets.mlp.linear, zephyr.nets.linear, globals()["mlp"]) == originals

@@ -4,7 +4,6 @@ linen's lifted transforms (where `capture_intermediates` returns nothing), backw
 against gradients of the sub-computation, edits, collections, rngs, kinds and summaries,
 training, patch scoping and threads."""
 
-import threading
 
 import pytest
 
@@ -14,18 +13,14 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from flax.core import axes_scan
 
 import peex_interop as px
+from models import close, while_hooked_elsewhere
 from peex_interop._adapters._linen import LinenModule, from_linen
 from peex_interop._engine import _patching
-
-
-def close(a, b, tol=1e-5):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 # -- models ------------------------------------------------------------------------------
@@ -155,6 +150,16 @@ def captured(module, variables, x, kwargs):
                 yield from flatten(value, f"{prefix}.{name}" if prefix else name)
 
     return dict(flatten(state["intermediates"], ""))
+
+
+class Twin(eqx.Module):
+    """The linen MLP written in Equinox, with linen's layer names."""
+
+    Dense_0: eqx.nn.Linear
+    Dense_1: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(lambda r: self.Dense_1(jax.nn.relu(self.Dense_0(r))))(x)
 
 
 # -- outputs and forward logs ------------------------------------------------------------------
@@ -418,13 +423,6 @@ def test_stats_logs_the_recorder_and_the_same_keys_as_an_equinox_twin(built):
     # Steps 0 and 2 are kept.
     close(recorder.layer_stats("Dense_0")["mean"], [jnp.mean(dense(x)), jnp.mean(dense(3 * x))])
 
-    class Twin(eqx.Module):
-        Dense_0: eqx.nn.Linear
-        Dense_1: eqx.nn.Linear
-
-        def __call__(self, x):
-            return jax.vmap(lambda r: self.Dense_1(jax.nn.relu(self.Dense_0(r))))(x)
-
     twin = Twin(eqx.nn.Linear(3, 5, key=key(0)), eqx.nn.Linear(5, 2, key=key(1)))
     _, twin_log = px.ForwardHook(twin, log_fn=px.MeanLog(), where=px.kind("linear"))(x)
     assert set(twin_log) == set(log)
@@ -578,13 +576,6 @@ def test_an_int_kernel_size_transfers_as_a_1d_window():
 def test_transfer_into_equinox_and_refusals(built):
     module, variables, x, _ = built["mlp"]
 
-    class Twin(eqx.Module):
-        Dense_0: eqx.nn.Linear
-        Dense_1: eqx.nn.Linear
-
-        def __call__(self, x):
-            return jax.vmap(lambda r: self.Dense_1(jax.nn.relu(self.Dense_0(r))))(x)
-
     twin = Twin(eqx.nn.Linear(3, 5, key=key(0)), eqx.nn.Linear(5, 2, key=key(1)))
     mapping = {"Dense_0": "Dense_0", "Dense_1": "Dense_1"}
     ported = px.transfer_params(from_linen(module, variables), twin, mapping, inputs=x)
@@ -685,33 +676,12 @@ def test_patches_are_undone_on_every_path_and_threads_are_isolated(built):
         px.ForwardHook(converted, hook_fn=px.FunctionHook(failing), where="blocks.lin")(x)
     assert axes_scan.scan is original and not _patching.is_patched(axes_scan, "scan")
 
-    seen, errors = [], []
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(y):
-        inside.set()
-        release.wait(10)
-        return y
-
-    def hooked_thread():
-        try:
-            px.ForwardHook(converted, hook_fn=px.FunctionHook(slow), where="inp")(x)
-        except Exception as error:  # reported below
-            errors.append(error)
-
-    def plain_thread():
-        inside.wait(10)
-        # While the other thread is inside its hooked call (patches installed), a
-        # plain call here is plain.
-        seen.append(_patching.is_patched(axes_scan, "scan"))
-        seen.append(converted(x))
-        release.set()
-
-    threads = [threading.Thread(target=hooked_thread), threading.Thread(target=plain_thread)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors and seen[0]
-    close(seen[1], module.apply(variables, x))
+    # While the other thread is inside its hooked call (patches installed), a plain
+    # call here is plain.
+    _, (patched, plain) = while_hooked_elsewhere(
+        lambda pause: px.ForwardHook(converted, hook_fn=pause, where="inp")(x),
+        lambda: (_patching.is_patched(axes_scan, "scan"), converted(x)),
+    )
+    assert patched
+    close(plain, module.apply(variables, x))
     assert not _patching.is_patched(axes_scan, "scan")

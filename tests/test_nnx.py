@@ -6,7 +6,6 @@ import pytest
 
 pytest.importorskip("flax")  # skipped where the [flax] extra is not installed
 
-import threading
 
 import equinox as eqx
 import jax
@@ -16,7 +15,7 @@ import optax
 from flax import nnx
 
 import peex_interop as px
-from models import close
+from models import close, while_hooked_elsewhere
 from peex_interop._engine import _patching
 
 
@@ -579,31 +578,18 @@ def test_an_unnameable_module_raises_naming_the_caller():
 def test_threads_do_not_see_each_others_hooks():
     model = MLP(nnx.Rngs(0))
     x = jnp.ones(3)
-    inside, release = threading.Event(), threading.Event()
-
-    def wait(value):
-        inside.set()
-        release.wait(10)
-        return value
-
-    result = {}
-
-    def hooked_thread():
-        result["hooked"] = px.ForwardHook(px.from_nnx(model), hook_fn=wait, log_fn=px.MeanLog())(x)
-
-    thread = threading.Thread(target=hooked_thread)
-    thread.start()
-    assert inside.wait(10)
-    try:
+    (_, hooked_log), (patched, plain, (other_out, other_log)) = while_hooked_elsewhere(
+        lambda pause: px.ForwardHook(px.from_nnx(model), hook_fn=pause, log_fn=px.MeanLog())(x),
         # Classes are patched now, for the other thread only.
-        assert _patching.is_patched(nnx.Linear, "__call__")
-        plain = model(x)
-        other_out, other_log = px.ForwardHook(px.from_nnx(model), log_fn=px.MeanLog(), where="linear2")(x)
-    finally:
-        release.set()
-        thread.join()
+        lambda: (
+            _patching.is_patched(nnx.Linear, "__call__"),
+            model(x),
+            px.ForwardHook(px.from_nnx(model), log_fn=px.MeanLog(), where="linear2")(x),
+        ),
+    )
+    assert patched
     close(plain, nnx.clone(model)(x))
     close(other_out, plain)
     assert set(other_log) == {"linear2"}
-    assert set(result["hooked"][1]) == {"linear1", "linear2"}
+    assert set(hooked_log) == {"linear1", "linear2"}
     assert not _patching.is_patched(nnx.Linear, "__call__")

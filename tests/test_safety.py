@@ -1,6 +1,5 @@
 """Scoped patching, thread isolation, no mutation, and clear errors."""
 
-import threading
 
 import equinox as eqx
 import jax
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 
 import peex_interop as px
-from models import MLP
+from models import MLP, while_hooked_elsewhere
 from peex_interop._engine import _transforms
 
 
@@ -99,32 +98,16 @@ def test_user_model_is_not_mutated():
 
 def test_concurrent_threads_do_not_see_each_others_hooks():
     model, x = model_and_input()
-    inside, release = threading.Event(), threading.Event()
-    results = {}
-
-    def slow_log(y):
-        inside.set()
-        release.wait(timeout=30)
-        return y
-
-    def hooked_thread():
-        results["hooked"] = px.ForwardHook(model, hook_fn=lambda y: 10 * y, log_fn=slow_log)(x)
-
-    thread = threading.Thread(target=hooked_thread)
-    thread.start()
-    assert inside.wait(timeout=30)
     # While the other thread sits inside its hooked call (classes patched), this
     # thread's plain and differently hooked calls see nothing of it.
-    results["plain"] = model(x)
-    results["other"] = px.ForwardHook(model, log_fn=px.MeanLog())(x)
-    release.set()
-    thread.join()
-    np.testing.assert_allclose(results["plain"], MLP(3, 4, 2, key=jax.random.key(0))(x))
-    other_out, other_log = results["other"]
-    np.testing.assert_allclose(other_out, results["plain"])
+    (hooked_out, hooked_log), (plain, (other_out, other_log)) = while_hooked_elsewhere(
+        lambda pause: px.ForwardHook(model, hook_fn=lambda y: 10 * y, log_fn=pause)(x),
+        lambda: (model(x), px.ForwardHook(model, log_fn=px.MeanLog())(x)),
+    )
+    np.testing.assert_allclose(plain, MLP(3, 4, 2, key=jax.random.key(0))(x))
+    np.testing.assert_allclose(other_out, plain)
     assert set(other_log) == {"linear1", "linear2"}
     np.testing.assert_allclose(other_log["linear1"], jnp.mean(model.linear1(x)), rtol=1e-6)
-    hooked_out, hooked_log = results["hooked"]
     h1 = 10 * model.linear1(x)
     np.testing.assert_allclose(hooked_out, 10 * model.linear2(jax.nn.relu(h1)), rtol=1e-5)
     assert_unpatched()
