@@ -115,6 +115,16 @@ class _Body:
             self.release()
         return result
 
+    def run_enclosed(self, run: Callable[[list], tuple[Any, list]]) -> Any:
+        """Run an unmapped transform (`run(probes) -> (out, logs)`: checkpoint, jit)
+        with the enclosing scope's slots, bring its logs out, and release the body."""
+        try:
+            out, logs = run(self.enclosing_probes())
+            self.finish(logs)
+        finally:
+            self.release()
+        return out
+
     def finish(self, logs: list, end: list | None = None, probed: list | None = None) -> None:
         for context, counts, log, slots in zip(self.contexts, end or self.end, logs, probed or self.probed):
             context.counts = counts
@@ -337,14 +347,10 @@ def threaded_checkpoint(real_checkpoint: Callable) -> Callable:
             def checkpointed_body(probes, *inner_args, **inner_kwargs):
                 return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
 
-            try:
-                probes = body.enclosing_probes()
-                run = real_checkpoint(_probes_first(fun, checkpointed_body), **shifted)
-                out, logs = run(probes, *args, **kwargs)
-                body.finish(logs)
-            finally:
-                body.release()
-            return out
+            def run(probes):
+                return real_checkpoint(_probes_first(fun, checkpointed_body), **shifted)(probes, *args, **kwargs)
+
+            return body.run_enclosed(run)
 
         return checkpointed
 
@@ -381,14 +387,7 @@ def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwa
             _probes_first(fun, jitted_body), static_argnums=_shift(options.get("static_argnums")), **kept
         )
         call_args, call_kwargs = args, kwargs
-    try:
-        probes = body.enclosing_probes()
-        dynamic = jitted(probes, *call_args, **call_kwargs)
-        out, logs = eqx.combine(dynamic, static_out[-1])
-        body.finish(logs)
-    finally:
-        body.release()
-    return out
+    return body.run_enclosed(lambda probes: eqx.combine(jitted(probes, *call_args, **call_kwargs), static_out[-1]))
 
 
 class _ThreadedJit:
