@@ -14,6 +14,7 @@ import equinox as eqx
 import haiku as hk
 import jax
 import jax.numpy as jnp
+from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_stack
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._engine import _context
@@ -86,12 +87,33 @@ class _AbstractHaiku(AbstractConverted):
         # Interceptors also see `__init__` (module_name not yet set), every public
         # method, and Haiku's internal modules: only selected methods of user modules
         # are layer calls.
-        if context.method_name not in self.methods or _is_internal(context.module.module_name):
+        if (
+            context.method_name not in self.methods
+            or isinstance(context.module, LiftingModule)
+            or _is_internal(context.module.module_name)
+        ):
             return next_f(*args, **kwargs)
-        local = haiku_path(context.module.module_name)
+        local = self._stacked_path(context.module) or haiku_path(context.module.module_name)
         if context.method_name != "__call__":
             local = (*local, context.method_name)
         return _context.call_site(self, next_f, args, kwargs, local=local, module=context.module)
+
+    def _stacked_path(self, module: hk.Module) -> tuple[str, ...] | None:
+        # Inside `hk.experimental.layer_stack(n, name="blocks")` a module is named apart
+        # from the stack (`lin`) while its parameters sit under it (`blocks/lin`): inside
+        # a body, a module is named by the parameters its own ones are slices of.
+        params = module.params_dict()
+        if not params:
+            return None
+        name, leaf = next(iter(params.items()))
+        outer = _context.origin(leaf)
+        if outer is leaf:
+            return None
+        for key, values in (getattr(self, "params", None) or {}).items():
+            for param_name, value in values.items():
+                if value is outer and name.endswith(f"/{param_name}"):
+                    return _params_path(key)
+        return None
 
     def layer_kind(self, module: hk.Module) -> str:
         return kind_of(module, HAIKU_KINDS)

@@ -11,6 +11,7 @@ decides whether it is selected, and runs its policy (forward or backward hooks) 
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -24,12 +25,20 @@ import jax.tree_util as jtu
 
 from ._errors import HookError, TransformError
 from ._paths import AbstractConverted, join, walk
-from ._selection import Selection
+from ._selection import Selection, glob_to_regex, step_path, step_segments, steps_of
 
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """One selected call of one layer, as a policy sees it."""
+    """One selected call of one layer, as a policy sees it.
+
+    `indices`/`lengths`: the traced index and the size of every threaded mapped body
+    (vmap, scan, map, static fori_loop) the call runs in, outermost first. `stacks`:
+    which of those bodies map the model's own arrays (a scanned stack of layers), each
+    with the path of the layer the stack's step index follows (`blocks` in
+    `blocks.1.attn`). `active`: for a call selected at some steps only (`where=
+    "blocks.1.attn"`), the traced condition under which hooks apply.
+    """
 
     path: str
     key: str
@@ -39,6 +48,91 @@ class Site:
     call: Callable[..., Any]
     args: tuple
     kwargs: dict
+    call_index: int = 0
+    indices: tuple = ()
+    lengths: tuple[int, ...] = ()
+    stacks: tuple[tuple[int, str], ...] = ()
+    active: Any = None
+    # Whether the log key is one step's (`blocks.1.attn`): its stacks' axes are sliced.
+    one_step: bool = False
+
+    @property
+    def log_index(self) -> tuple:
+        """This call's index into its log entry (the mapped axes the entry keeps)."""
+        sliced = {level for level, _ in self.stacks} if self.one_step else set()
+        return tuple(index for level, index in enumerate(self.indices) if level not in sliced)
+
+    @property
+    def step_path(self) -> str:
+        """The path with each stack's step index after its root: `blocks.{i}.attn`
+        (`{i}` a placeholder: steps are traced)."""
+        return step_path(self.path, [root for _, root in self.stacks], ["{i}"] * len(self.stacks))
+
+
+class CallSite(eqx.Module):
+    """Where a hook or log runs: given to any hook or log that takes a second argument
+    (`def hook(value, site): ...`).
+
+    - `path`: the layer's dotted path (`"blocks.attn"`; a stack's layers share one).
+    - `key`: its log key (`"blocks.attn@1"` for a second call, `"blocks.1.attn"` for
+      one selected step).
+    - `kind`: its library-independent kind (`px.KINDS`); `module_type`: the library's
+      class (`eqx.nn.Linear`, `hk.Linear`, `nnx.Linear`, ...).
+    - `call_index`: 0 for the layer's first call in this forward pass, 1 for the next...
+    - `indices`, `lengths`: inside threaded `vmap`/`scan`/`map`/`fori_loop` bodies, the
+      traced index (int32 scalar) and the size of each, outermost first (`()` outside).
+    - `log_index`: this call's index into its log entry: `log[site.key][site.log_index]`
+      is this call's value (the entry is stacked along the mapped axes it runs in).
+    - `steps`, `stack_roots`, `stack_lengths`: inside scanned (or vmapped) stacks of
+      layers, the traced index of this layer in each stack, the path each step
+      follows (`blocks` for `blocks.1.attn`) and each stack's size, outermost first.
+      `step` and `stack_root` are the innermost stack's (`None` outside a stack).
+    """
+
+    # A pytree (an `eqx.Module`): the traced indices are its leaves, so it can be
+    # passed through `jax.custom_vjp` to backward hooks; the rest is static.
+    path: str = eqx.field(static=True)
+    key: str = eqx.field(static=True)
+    kind: str = eqx.field(static=True)
+    module_type: type = eqx.field(static=True)
+    call_index: int = eqx.field(static=True)
+    indices: tuple
+    lengths: tuple[int, ...] = eqx.field(static=True)
+    log_index: tuple
+    steps: tuple
+    stack_roots: tuple[str, ...] = eqx.field(static=True)
+    stack_lengths: tuple[int, ...] = eqx.field(static=True)
+
+    @classmethod
+    def of(cls, site: "Site") -> "CallSite":
+        return cls(
+            site.path, site.key, site.kind, type(site.module), site.call_index, site.indices, site.lengths,
+            site.log_index,
+            tuple(site.indices[level] for level, _ in site.stacks),
+            tuple(root for _, root in site.stacks),
+            tuple(site.lengths[level] for level, _ in site.stacks),
+        )
+
+    @property
+    def step(self) -> Any:
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def stack_root(self) -> str | None:
+        return self.stack_roots[-1] if self.stack_roots else None
+
+    def matches(self, pattern: str) -> Any:
+        """Whether `pattern` (a glob as in `where=`) names this call: `True`/`False`, or,
+        for one step of a stack (`"blocks.1.attn"`), a traced boolean."""
+        if glob_to_regex(pattern).match(self.path) or glob_to_regex(pattern).match(self.key):
+            return True
+        found = steps_of(pattern, step_segments(self.path, self.stack_roots), self.stack_lengths)
+        if not found:
+            return False
+        condition = jnp.asarray(True)
+        for level, step in found[0].items():
+            condition = condition & (self.steps[level] == step)
+        return condition
 
 
 class Policy(Protocol):
@@ -68,6 +162,14 @@ class _Scope:
     # id(inner leaf) -> (paths of the model leaf, inner leaf, outer leaf)
     leaves: dict = dataclasses.field(default_factory=dict)
     modules: dict = dataclasses.field(default_factory=dict)
+    # A mapped body's traced index and size; `stacked`: model arrays come in mapped
+    # (one slice per step: a stack of layers).
+    index: Any = None
+    length: int = 0
+    stacked: bool = False
+    # Logs of one step of this or an enclosing stack: key -> (depth of the stack's
+    # scope, step), sliced out when that scope's stacked logs come out.
+    steps: dict = dataclasses.field(default_factory=dict)
 
 
 def _trace_state() -> Any:
@@ -125,8 +227,13 @@ class HookContext:
         if not self._index(root):
             self.root = jtu.tree_unflatten(*reversed(jtu.tree_flatten(root)))
             self._index(self.root)
-        self.frames: list[tuple[Any, tuple[str, ...], str]] = []
+        # (owner, local path, path, number of scopes open when the call began)
+        self.frames: list[tuple[Any, tuple[str, ...], str, int]] = []
         self.counts: dict[str, int] = {}
+        # Paths called, and names/patterns that selected one step of a stack: a
+        # pattern like `blocks.7.attn` is checked against them after the call.
+        self.seen: set[str] = set()
+        self.step_hits: set[str] = set()
         self.claims: dict[str, str] = {}
         self.scopes = [_Scope({} if probes is None else probes, _trace_state())]
 
@@ -204,13 +311,22 @@ class HookContext:
     def run(
         self, call: Callable[..., Any], owner: Any, local: tuple[str, ...], path: str, module: Any, *args, **kwargs
     ) -> Any:
-        self.frames.append((owner, local, path))
+        self.frames.append((owner, local, path, len(self.scopes)))
         try:
             # Converted models know their library's classes; the rest are Equinox's.
             converted = isinstance(owner, AbstractConverted) and owner is not module
             kind = owner.layer_kind(module) if converted else self.native_kind(module)
+            stacks = self._stacks()
+            self.seen.add(path)
+            steps: Any = True
             if not self.selection.selects(path, module, kind):
-                return call(*args, **kwargs)
+                roots = [root for _, root in stacks]
+                steps, matched = self.selection.step_selects(path, roots, [self.scopes[d].length for d, _ in stacks])
+                self.step_hits |= matched
+                if not steps:
+                    return call(*args, **kwargs)
+                if any(not choice for choice in steps):
+                    steps = True  # `blocks.*.attn`: every step
             # Edits too: a trace made under an unthreaded transform may be cached by
             # JAX (a jit or loop body defined before hooking) and replayed by a later
             # hooked call with other hooks.
@@ -226,15 +342,67 @@ class HookContext:
             count = self.counts.get(path, 0)
             self.counts[path] = count + 1
             key = name if count == 0 else f"{name}@{count}"
-            return self.policy.run_site(self, Site(path, key, owner, module, kind, call, args, kwargs))
+            active, one_step = None, False
+            if steps is not True:
+                key, active, one_step = self._at_steps(key, name, stacks, steps)
+            site = Site(
+                path, key, owner, module, kind, call, args, kwargs, count,
+                tuple(s.index for s in self.scopes if s.index is not None),
+                tuple(s.length for s in self.scopes if s.index is not None),
+                tuple((sum(s.index is not None for s in self.scopes[:d]), root) for d, root in stacks),
+                active,
+                one_step,
+            )
+            return self.policy.run_site(self, site)
         finally:
             self.frames.pop()
 
+    def _stacks(self) -> list[tuple[int, str]]:
+        """The stacks this call runs in: (depth of the stack body's scope, the path of
+        the outermost layer called inside that body, which the step index follows)."""
+        stacks = []
+        for depth, scope in enumerate(self.scopes):
+            if scope.stacked:
+                root = next(frame[2] for frame in self.frames if frame[3] > depth)
+                stacks.append((depth, root))
+        return stacks
+
+    def _at_steps(self, key: str, name: str, stacks: list, steps: list[dict[int, int]]) -> tuple[str, Any, bool]:
+        """A call selected at some steps only: the traced condition, and, for one step,
+        the log key with the step (`blocks.1.attn`), registered to be sliced out of
+        the stacked logs when the stack's body returns."""
+        active = jnp.asarray(False)
+        for choice in steps:
+            hit = jnp.asarray(True)
+            for level, step in choice.items():
+                hit = hit & (self.scopes[stacks[level][0]].index == step)
+            active = active | hit
+        if len(steps) == 1 and len(steps[0]) == len(stacks):
+            roots = [root for _, root in stacks]
+            step_key = step_path(name, roots, [str(steps[0][level]) for level in range(len(stacks))])
+            key = key.replace(name, step_key, 1)
+            for level, step in steps[0].items():
+                self.scopes[-1].steps.setdefault(key, []).append((stacks[level][0], step))
+            return key, active, True
+        return key, active, False
+
+    def check_step_patterns(self) -> None:
+        """After the call: a name or pattern with a number that matched no layer path
+        must have selected a step of a stack, or it selected nothing."""
+        for pattern in self.selection.step_patterns():
+            if pattern in self.step_hits or any(glob_to_regex(pattern).match(path) for path in self.seen):
+                continue
+            raise HookError(
+                f"{pattern!r} selected no call: it matches no layer path, and no step of a "
+                "stack of layers (a stack's step follows the first layer called in its scan/"
+                f"vmap body, e.g. `blocks.1.attn`); layers called: {", ".join(sorted(p for p in self.seen if p)[:12])}"
+            )
+
     def apply(self, site: Site, role: str, fn: Any, value: Any) -> Any:
-        """Run a user hook or log, attaching the layer path to anything it raises
-        (KeyboardInterrupt included)."""
+        """Run a user hook or log (given the call site if it takes one), attaching the
+        layer path to anything it raises (KeyboardInterrupt included)."""
         try:
-            return fn(value)
+            return call_with_site(fn, value, CallSite.of(site))
         except BaseException as error:
             error.add_note(f"peex_interop: raised by {role} at layer {site.path!r}")
             raise
@@ -242,6 +410,9 @@ class HookContext:
     def apply_hook(self, site: Site, role: str, hook: Any, value: Any) -> Any:
         out = self.apply(site, role, hook, value)
         check_same_shape(site.path, role, value, out)
+        if site.active is not None:
+            # Selected at some steps of a stack only: the other steps keep their value.
+            out = jtu.tree_map(lambda edited, kept: jnp.where(site.active, edited, kept), out, value)
         return out
 
     def _admit(self, keys: Any, doing: str) -> None:
@@ -282,12 +453,16 @@ class HookContext:
         return probe
 
     # -- transformed bodies -------------------------------------------------------------
-    def enter_body(self, outer: Any, inner: Any, probes: dict, foreign: bool) -> None:
+    def enter_body(
+        self, outer: Any, inner: Any, probes: dict, foreign: bool, index: Any = None, length: int = 0
+    ) -> None:
         """Open the scope of a body whose inputs `inner` stand for `outer`: a known
         module passed in names its inner counterpart (and everything under it) by
         position, so one layer object at two paths stays two layers; other array
-        inputs are named by the model paths of the arrays they stand for."""
-        scope = _Scope(probes, _trace_state(), foreign)
+        inputs are named by the model paths of the arrays they stand for. A mapped
+        body (`index`: its traced index) into which model arrays come mapped (one
+        axis fewer inside) runs a stack of layers."""
+        scope = _Scope(probes, _trace_state(), foreign, index=index, length=length)
         outer_nodes, inner_nodes = _positions(outer), _positions(inner)
         if len(outer_nodes) == len(inner_nodes):
             base: tuple[str, ...] = ()
@@ -307,6 +482,8 @@ class HookContext:
                     paths = self._leaf_paths(outer_node)
                     if paths:
                         scope.leaves[id(inner_node)] = (paths, inner_node, outer_node)
+                if index is not None and id(inner_node) in scope.leaves and _one_axis_fewer(inner_node, outer_node):
+                    scope.stacked = True
         self.scopes.append(scope)
 
     def _known_path(self, module: Any) -> tuple[str, ...] | None:
@@ -324,17 +501,25 @@ class HookContext:
                 leaf = entry[2]
         return leaf
 
-    def exit_body(self) -> tuple[dict, set]:
-        """Close the innermost body's scope: its logs and the slots it attached."""
+    def exit_body(self) -> tuple[dict, set, dict]:
+        """Close the innermost body's scope: its logs, the slots it attached, and the
+        one-step logs to slice out of stacks (`_Scope.steps`)."""
         scope = self.scopes.pop()
-        return scope.logs, scope.probed
+        return scope.logs, scope.probed, scope.steps
 
-    def merge(self, logs: dict, probed: set) -> None:
+    def merge(self, logs: dict, probed: set, steps: dict | None = None) -> None:
         """Bring what a body returned into the current scope: only if the body's
         transform ran in this scope's trace (a threaded transform nested in one that
-        is not would otherwise leak its logs' tracers)."""
+        is not would otherwise leak its logs' tracers). One-step logs of the stack
+        whose body this was (stacked along the leading axis) are sliced to their step."""
         if logs or probed:
             self._admit({key.split("@")[0] for key in (*logs, *probed)}, "bring out the logs")
+        depth = len(self.scopes)
+        for key, stack_steps in (steps or {}).items():
+            step = next((step for d, step in stack_steps if d == depth), None)
+            if step is not None and key in logs:
+                logs = {**logs, key: jtu.tree_map(lambda log, step=step: log[step], logs[key])}
+            self.scopes[-1].steps[key] = [(d, s) for d, s in stack_steps if d != depth]
         self.scopes[-1].logs.update(logs)
         self.scopes[-1].probed |= probed
 
@@ -347,6 +532,10 @@ class HookContext:
         return not self.discovering and getattr(self.policy, "uses_probes", False)
 
 
+def _one_axis_fewer(inner: Any, outer: Any) -> bool:
+    return jnp.ndim(inner) < jnp.ndim(outer)
+
+
 def _positions(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
     """Every module (pre-order) and leaf of `tree`, with its key path: two trees of one
     structure give the same positions."""
@@ -355,6 +544,41 @@ def _positions(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
         prefix = tuple(str(k) for k in key_path)
         nodes.extend((prefix + relative, node) for relative, node in walk(top))
     return nodes
+
+
+def _takes_site(fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # A second parameter with a default is an option (`jnp.max(a, axis=None)`), unless
+    # it is called `site`.
+    return len(positional) >= 2 and (positional[1].default is inspect.Parameter.empty or positional[1].name == "site")
+
+
+@functools.cache
+def _takes_site_by_type(cls: type) -> bool:
+    return _takes_site(functools.partial(cls.__call__, None))  # without `self`
+
+
+def takes_site(fn: Any) -> bool:
+    """Whether a user hook or log takes the call site as a second positional argument
+    (`hook(value, site)`); peex's one-argument form does not. A callable may say so
+    itself with a `takes_site` attribute (`px.FunctionHook` does, for the function it
+    wraps)."""
+    declared = getattr(fn, "takes_site", None)
+    if isinstance(declared, bool):
+        return declared
+    if isinstance(fn, eqx.Module):
+        return _takes_site_by_type(type(fn))
+    return _takes_site(fn)
+
+
+def call_with_site(fn: Any, value: Any, site: CallSite) -> Any:
+    """`fn(value, site)` for a hook or log that takes the call site, `fn(value)`
+    otherwise."""
+    return fn(value, site) if takes_site(fn) else fn(value)
 
 
 def _spec(x: Any) -> Any:

@@ -155,6 +155,36 @@ class Selection:
             return any(_matches(c, path, module, layer_kind) for c in self.where)
         return True
 
+    def step_selects(
+        self, path: str, roots: Sequence[str], lengths: Sequence[int]
+    ) -> tuple[list[dict[int, int]], set[str]]:
+        """For a call inside stacks of layers (`roots`: the layer each stack's step
+        follows, outermost first) that `selects` does not select as a whole: the steps
+        at which names and patterns select it, as alternatives of `{stack level: step}`
+        (`"blocks.1.attn"` selects step 1 of the stack `blocks`; empty: not at all),
+        and the names and patterns that matched."""
+        if not roots:
+            return [], set()
+        segments = step_segments(path, roots)
+        found, matched = [], set()
+        for patterns in (self.names, None if self.where is None else [c for c in self.where if isinstance(c, str)]):
+            if patterns is None:
+                found.append([{}])
+                continue
+            hits = [(pattern, steps) for pattern in patterns for steps in steps_of(pattern, segments, lengths)]
+            matched.update(pattern for pattern, _ in hits)
+            found.append([steps for _, steps in hits])
+        if not all(found):
+            return [], set()
+        both = [{**a, **b} for a in found[0] for b in found[1] if all(a[k] == b[k] for k in a.keys() & b.keys())]
+        return both, matched
+
+    def step_patterns(self) -> list[str]:
+        """Names and patterns with a number segment: they may name one step of a stack,
+        which only the call can tell (checked then)."""
+        patterns = [*(self.names or ()), *(c for c in self.where or () if isinstance(c, str))]
+        return [p for p in patterns if any(part.isdigit() for part in p.split("."))]
+
     def validate(self, modules: dict[str, Any], model_name: str) -> None:
         """Every name and pattern must match some layer: a typo must not silently log
         nothing. Predicates cannot be checked ahead of the call."""
@@ -163,11 +193,11 @@ class Selection:
             if source not in modules or not source:
                 raise HookError(_no_match("rename= path", source, paths, model_name))
         for name in self.names or ():
-            if name not in modules or not name:
+            if (name not in modules or not name) and not _could_be_step(name, paths):
                 raise HookError(_no_match("layer name", name, paths, model_name))
         for criterion in self.where or ():
             if isinstance(criterion, str):
-                if not any(glob_to_regex(criterion).match(p) for p in paths):
+                if not any(glob_to_regex(criterion).match(p) for p in paths) and not _could_be_step(criterion, paths):
                     raise HookError(_no_match("where pattern", criterion, paths, model_name))
             elif isinstance(criterion, type):
                 known = [modules[p] for p in paths if modules[p] is not None]
@@ -181,6 +211,68 @@ class Selection:
                     )
             elif not (callable(criterion) or isinstance(criterion, (Kind, Not, AllOf))):
                 raise HookError(f"where= takes {_WHERE_TAKES}; got {criterion!r}")
+
+
+def step_path(path: str, roots: Sequence[str], labels: Sequence[str]) -> str:
+    """`path` with each label after its stack's root (`blocks.attn` -> `blocks.1.attn`);
+    a root that is not a prefix of the path (a library naming the stack's layers
+    apart from the stack) gets no label."""
+    return ".".join(part if label is None else str(label) for part, label in _labelled(path, roots, labels))
+
+
+def _labelled(path: str, roots: Sequence[str], labels: Sequence[Any]) -> list[tuple[str, Any]]:
+    # (segment, None) for the path's own segments, ("", label) for inserted steps.
+    parts: list[tuple[str, Any]] = [(part, None) for part in path.split(".")]
+    cuts = [(len(root.split(".")), label) for root, label in zip(roots, labels) if _is_prefix(root, path)]
+    for position, label in sorted(cuts, key=lambda cut: -cut[0]):
+        parts.insert(position, ("", label))
+    return parts
+
+
+def step_segments(path: str, roots: Sequence[str]) -> list[str | int]:
+    """The path's segments with each stack's level number (an int) after its root."""
+    return [label if label is not None else part for part, label in _labelled(path, roots, range(len(roots)))]
+
+
+def _is_prefix(root: str, path: str) -> bool:
+    return path == root or path.startswith(root + ".")
+
+
+def steps_of(pattern: str, segments: list[str | int], lengths: Sequence[int]) -> list[dict[int, int]]:
+    """`[{stack level: step}]` if `pattern` matches the step segments segment by segment
+    (a step is a number, or `*` for every step; `**` never names a step), else `[]`."""
+    parts = pattern.split(".")
+    if "**" in parts or len(parts) != len(segments):
+        return []
+    steps: dict[int, int] = {}
+    for part, segment in zip(parts, segments):
+        if isinstance(segment, int):
+            if part.isdigit():
+                if int(part) >= lengths[segment]:
+                    raise HookError(
+                        f"{pattern!r} selects step {part} of a stack of {lengths[segment]} layers "
+                        f"(steps 0 to {lengths[segment] - 1})"
+                    )
+                steps[segment] = int(part)
+            elif part != "*":
+                return []
+        elif glob_to_regex(part).match(segment) is None:
+            return []
+    return [steps]
+
+
+def _could_be_step(pattern: str, paths: list[str]) -> bool:
+    # Whether a pattern names one step of a stack of layers (`blocks.1.attn`): without
+    # its number segments it matches a layer. Stacks are only known during the call.
+    parts = pattern.split(".")
+    if not any(part.isdigit() for part in parts):
+        return False
+    for drop in range(len(parts)):
+        if parts[drop].isdigit():
+            rest = glob_to_regex(".".join(parts[:drop] + parts[drop + 1 :]))
+            if any(rest.match(p) for p in paths):
+                return True
+    return False
 
 
 def _no_match(what: str, name: str, paths: list[str], model_name: str) -> str:

@@ -22,10 +22,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 
-from . import _context, _patching
+from . import _context, _patching, _pooling
 from ._errors import HookError
 
 # The engine's own abstract runs must not be threaded as a model's would be.
@@ -50,18 +51,21 @@ class _Body:
         self.end = self.start
         self.foreign = [c.in_foreign_trace() for c in self.contexts]
         self.probed: list[set] = [set() for _ in self.contexts]
+        self.steps: list[dict] = [{} for _ in self.contexts]
 
-    def __call__(self, probes: list, inner: Any, args: tuple, kwargs: dict):
+    def __call__(self, probes: list, inner: Any, args: tuple, kwargs: dict, index: Any = None, length: int = 0):
+        """Run the body; `index`, `length`: a mapped body's traced index and size."""
         for context, counts, probe, foreign in zip(self.contexts, self.start, probes, self.foreign):
             context.counts = dict(counts)
-            context.enter_body(self.outer, inner, probe, foreign)
+            context.enter_body(self.outer, inner, probe, foreign, index, length)
         assert self.fn is not None, "a released body ran again"
         try:
             out = self.fn(*args, **kwargs)
         finally:
             exits = [context.exit_body() for context in self.contexts]
-        logs = [log for log, _ in exits]
-        self.probed = [probed for _, probed in exits]
+        logs = [log for log, _, _ in exits]
+        self.probed = [probed for _, probed, _ in exits]
+        self.steps = [steps for _, _, steps in exits]
         self.end = [dict(c.counts) for c in self.contexts]
         return out, logs
 
@@ -125,10 +129,14 @@ class _Body:
             self.release()
         return out
 
-    def finish(self, logs: list, end: list | None = None, probed: list | None = None) -> None:
-        for context, counts, log, slots in zip(self.contexts, end or self.end, logs, probed or self.probed):
+    def finish(
+        self, logs: list, end: list | None = None, probed: list | None = None, steps: list | None = None
+    ) -> None:
+        for context, counts, log, slots, one_step in zip(
+            self.contexts, end or self.end, logs, probed or self.probed, steps or self.steps
+        ):
             context.counts = counts
-            context.merge(log, slots)
+            context.merge(log, slots, one_step)
 
     def release(self) -> None:
         self.fn = self.outer = None
@@ -162,13 +170,19 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
             if not _context.active():
                 return real_vmap(fun, in_axes, out_axes, **options)(*args, **kwargs)
             body = _Body(fun, (args, kwargs))
+            # The body's index is read through an axis name (the user's, or one of ours).
+            named = {**options, "axis_name": options.get("axis_name") or _AxisName()}
 
             def run(probes):
                 def mapped_body(probes, *inner_args, **inner_kwargs):
-                    return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
+                    name = named["axis_name"]
+                    return body(
+                        probes, (inner_args, inner_kwargs), inner_args, inner_kwargs,
+                        jax.lax.axis_index(name), jax.lax.axis_size(name),
+                    )
 
                 axes = _with_leading_axis(in_axes, len(args))
-                return real_vmap(mapped_body, axes, (out_axes, 0), **options)(
+                return _pooling.pooled_vmap(real_vmap, body.contexts)(mapped_body, axes, (out_axes, 0), **named)(
                     probes, *args, **kwargs
                 )
 
@@ -186,14 +200,21 @@ def threaded_scan(real_scan: Callable) -> Callable:
         options = _bind(real_scan, scan_args, scan_kwargs)
         f, init, xs = options.pop("f"), options.pop("init"), options.pop("xs", None)
         body = _Body(f, (init, xs))
+        length = options.get("length")
+        if length is None:
+            leaves = jtu.tree_leaves(xs)
+            if not leaves:
+                return real_scan(*scan_args, **scan_kwargs)  # JAX's own error: no length
+            length = leaves[0].shape[0]
+        steps = jnp.arange(length, dtype=jnp.int32)
 
         def run(probes):
-            def scan_body(carry, x_and_probes):
-                x, step_probes = x_and_probes
-                (carry, y), logs = body(step_probes, (carry, x), (carry, x), {})
+            def scan_body(carry, x_probes_step):
+                x, step_probes, step = x_probes_step
+                (carry, y), logs = body(step_probes, (carry, x), (carry, x), {}, step, length)
                 return carry, (y, logs)
 
-            return real_scan(scan_body, init, (xs, probes), **options)
+            return real_scan(scan_body, init, (xs, probes, steps), **options)
 
         carry, (ys, _) = body.run_mapped(run, lambda result: result[1][1])
         return carry, ys
@@ -269,7 +290,9 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
             for per_context in zip(*(body.end for body in bodies))
         ]
         probed = [set().union(*per_context) for per_context in zip(*(body.probed for body in bodies))]
-        bodies[0].finish(logs, end, probed)
+        steps = [{k: v for branch_steps in per_context for k, v in branch_steps.items()}
+                 for per_context in zip(*(body.steps for body in bodies))]
+        bodies[0].finish(logs, end, probed, steps)
     finally:
         for body in bodies:
             body.release()
@@ -388,6 +411,14 @@ def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwa
         )
         call_args, call_kwargs = args, kwargs
     return body.run_enclosed(lambda probes: eqx.combine(jitted(probes, *call_args, **call_kwargs), static_out[-1]))
+
+
+class _AxisName:
+    """A `jax.vmap` axis name of the engine's own, unequal to any user's: the body reads
+    its index with `jax.lax.axis_index`."""
+
+    def __repr__(self) -> str:
+        return "peex_interop_vmap_axis"
 
 
 class _ThreadedJit:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._engine._context import HookContext, Site, check_same_shape, zeros_like
+from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
 from .._engine._errors import HookError, TransformError
 from .._engine._hooking import hooking
 from .._engine._selection import Where
@@ -125,6 +125,12 @@ class BackwardHook(AbstractHookWrapper):
         return self._attach(context, site, site.call(*site.args, **site.kwargs))
 
     def _attach(self, context: HookContext, site: Site, value: Any) -> Any:
+        if site.active is not None:
+            raise HookError(
+                f"BackwardHook selects whole layers: {site.key!r} is one step of the stack at "
+                f"{site.path!r}. Select the stack ({site.path!r}; its log has the step axis in "
+                "front) and index the step, or use a ForwardHook for one step."
+            )
         template = context.apply(site, "log_fn", self.log_fn, zeros_like(value))
         discrete = [leaf for leaf in jtu.tree_leaves(template) if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
         if discrete:
@@ -138,7 +144,7 @@ class BackwardHook(AbstractHookWrapper):
             return value
         slot = None if template is None else context.probe(site, template)
         try:
-            return _cotangent_probe((value, slot), self.hook_fn, self.log_fn, site.path)
+            return _cotangent_probe((value, slot), self.hook_fn, self.log_fn, CallSite.of(site))
         except TypeError as error:
             if "forward-mode" not in str(error):
                 raise
@@ -152,21 +158,21 @@ class BackwardHook(AbstractHookWrapper):
 
 
 @eqx.filter_custom_vjp
-def _cotangent_probe(value_and_slot, hook_fn, log_fn, path):
-    del hook_fn, log_fn, path
+def _cotangent_probe(value_and_slot, hook_fn, log_fn, site):
+    del hook_fn, log_fn, site
     value, _ = value_and_slot
     return value
 
 
 @_cotangent_probe.def_fwd
-def _cotangent_probe_fwd(perturbed, value_and_slot, hook_fn, log_fn, path):
-    del perturbed, hook_fn, log_fn, path
+def _cotangent_probe_fwd(perturbed, value_and_slot, hook_fn, log_fn, site):
+    del perturbed, hook_fn, log_fn, site
     value, _ = value_and_slot
     return value, None
 
 
 @_cotangent_probe.def_bwd
-def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_fn, log_fn, path):
+def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_fn, log_fn, site):
     del residuals, perturbed
     value, _ = value_and_slot
     # Symbolic-zero cotangents arrive as None; hooks and logs see real zeros.
@@ -175,10 +181,10 @@ def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_f
         cotangent, value, is_leaf=lambda x: x is None,
     )
     try:
-        edited = hook_fn(cotangent)
-        check_same_shape(path, "hook_fn (backward)", cotangent, edited)
-        logged = log_fn(edited)
+        edited = call_with_site(hook_fn, cotangent, site)
+        check_same_shape(site.path, "hook_fn (backward)", cotangent, edited)
+        logged = call_with_site(log_fn, edited, site)
     except Exception as error:
-        error.add_note(f"peex_interop: raised by the BackwardHook at layer {path!r}")
+        error.add_note(f"peex_interop: raised by the BackwardHook at layer {site.path!r}")
         raise
     return edited, logged

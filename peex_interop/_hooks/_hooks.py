@@ -1,8 +1,12 @@
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, overload
 
 import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .._engine._context import CallSite, call_with_site, takes_site
 
 
 class AbstractHook(eqx.Module):
@@ -15,6 +19,10 @@ class AbstractHook(eqx.Module):
     - as a peex-style pre-hook (`pre_hook=True`) it receives the positional `args` tuple;
     - as a `pre_hook_fn` it receives `(args, kwargs)`;
     - in a `BackwardHook` it receives the cotangent of whichever of those it wraps.
+
+    A hook whose `__call__` takes a second argument, `__call__(self, args, site)`,
+    also receives the `px.CallSite` it runs at (path, kind, module type, call index,
+    and traced step/example indices inside vmap/scan bodies).
     """
 
     @abstractmethod
@@ -31,16 +39,48 @@ class IdentityHook(AbstractHook):
 
 class FunctionHook(AbstractHook):
     """Wraps a plain callable as a hook, so it travels as a pytree argument (not a stale
-    closure) under `jax.jit`."""
+    closure) under `jax.jit`. A callable of two arguments `fn(value, site)` also
+    receives the `px.CallSite`."""
 
-    fn: Callable[[Any], Any]
+    fn: Callable[..., Any]
 
-    def __call__(self, args: Any) -> Any:
-        return self.fn(args)
+    @property
+    def takes_site(self) -> bool:
+        return takes_site(self.fn)
+
+    def __call__(self, args: Any, site: CallSite | None = None) -> Any:
+        return self.fn(args, site) if self.takes_site else self.fn(args)
 
 
-# A hook as the wrappers accept it: a `px.AbstractHook`, or any callable (wrapped).
-HookLike = AbstractHook | Callable[[Any], Any]
+class HookMap(AbstractHook):
+    """Different hooks for different layers in one wrapper: `{pattern: hook}`, the
+    first pattern that names the call wins (patterns as in `where=`, matched against
+    the layer's path or log key; `"blocks.1.attn"` names one step of a stack); layers
+    no pattern names are left unchanged. Built from a dict given as `hook_fn`."""
+
+    hooks: tuple[AbstractHook, ...]
+    patterns: tuple[str, ...] = eqx.field(static=True)
+
+    def __init__(self, hooks: Mapping[str, Any]):
+        self.patterns = tuple(hooks)
+        self.hooks = tuple(as_hook(hook) for hook in hooks.values())
+
+    def __call__(self, args: Any, site: CallSite) -> Any:
+        out = args
+        # Last pattern first, so that earlier ones override: the first match wins.
+        for pattern, hook in reversed(tuple(zip(self.patterns, self.hooks))):
+            match = site.matches(pattern)
+            if match is True:
+                out = call_with_site(hook, args, site)
+            elif match is not False:
+                edited = call_with_site(hook, args, site)
+                out = jtu.tree_map(lambda e, o, m=match: jnp.where(m, e, o), edited, out)
+        return out
+
+
+# A hook as the wrappers accept it: a `px.AbstractHook`, any callable (wrapped), or a
+# `{pattern: hook}` mapping (a `px.HookMap`).
+HookLike = AbstractHook | Callable[..., Any] | Mapping[str, Any]
 
 
 @overload
@@ -50,8 +90,10 @@ def as_hook(hook: None) -> None: ...
 def as_hook(hook: HookLike | None) -> AbstractHook | None:
     if hook is None or isinstance(hook, AbstractHook):
         return hook
+    if isinstance(hook, Mapping):
+        return HookMap(hook)
     if callable(hook):
         return FunctionHook(hook)
     raise TypeError(
-        f"expected a hook (px.AbstractHook or a callable), got {type(hook).__name__}"
+        f"expected a hook (px.AbstractHook, a callable or a {{pattern: hook}} dict), got {type(hook).__name__}"
     )
