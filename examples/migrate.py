@@ -1,10 +1,10 @@
 """Migrating Haiku models, and their logging, to Flax NNX and to Equinox.
 
 A CNN+MLP: one logging setup (hooks + statistics) is used unchanged on all three; the
-Haiku weights are copied into the ports with `px.transfer_params`; `px.compare` shows
-every layer equal; a deliberately wrong port is pinpointed at the layer where it first
-diverges. Then a transformer block with attention followed by an LSTM: the same
-workflow, with `transfer_params(..., inputs=...)` verifying each port layer by layer.
+Haiku weights are copied into the ports with `px.transfer_params(..., inputs=...)`,
+which verifies each port layer by layer; `px.compare` shows every layer equal; a
+deliberately wrong port is pinpointed at the layer where it first diverges. Then a
+transformer block with attention followed by an LSTM: the same workflow.
 """
 
 import equinox as eqx
@@ -172,7 +172,9 @@ def main():
     for name, port in ports.items():
         alignment = px.align(original, port, images)
         print(f"== Haiku -> {name}\n{alignment}")
-        port = px.transfer_params(original, port, alignment.mapping)
+        # inputs=: the convs' custom names (conv1, conv2) do not tell a conv from a
+        # conv-transpose; a call does. The port is then verified layer by layer.
+        port = px.transfer_params(original, port, alignment.mapping, inputs=images)
         comparison = px.compare(original, port, images, cotangents=True, alignment=alignment)
         print(comparison)
         # The port's logs carry the original's keys: dashboards keep working.
@@ -181,9 +183,10 @@ def main():
         print("same dashboard keys:", sorted(log) == sorted(original_log))
         ports[name] = port
 
-    wrong = px.transfer_params(
-        original, EquinoxNet(jax.random.key(3), forget_relu=True), px.align(original, ports["equinox"], images).mapping
-    )
+    mapping = px.align(original, ports["equinox"], images).mapping
+    # verify=False: verification would refuse this port, naming fc1; compare shows why.
+    wrong = px.transfer_params(original, EquinoxNet(jax.random.key(3), forget_relu=True), mapping, inputs=images,
+                               verify=False)
     comparison = px.compare(original, wrong, images)
     print("== a port that forgot an activation\n" + str(comparison))
     migrate_sequence_model()

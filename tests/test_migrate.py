@@ -51,7 +51,9 @@ def test_alignment_in_every_direction_then_transfer_and_compare(trio, a, b):
     alignment = px.align(models[a], models[b], images)
     assert alignment.mapping == dict(zip(EXPECTED[a], EXPECTED[b]))
     assert not alignment.unmatched and not alignment.ambiguous and alignment.order_preserved
-    port = px.transfer_params(models[a], models[b], alignment.mapping)
+    # inputs=: the Haiku convs' custom names (conv1, conv2) do not tell conv from
+    # conv-transpose; a call does.
+    port = px.transfer_params(models[a], models[b], alignment.mapping, inputs=images)
     comparison = px.compare(models[a], port, images, cotangents=True, alignment=alignment)
     assert comparison.first_divergence is None
     assert [row.path_a for row in comparison.rows] == EXPECTED[a]
@@ -65,12 +67,12 @@ def test_wrong_port_is_pinpointed(trio):
     images, models = trio
     mapping = px.align(models["haiku"], models["equinox"], images).mapping
     forgetful = random_like(eqx.filter_eval_shape(migrate.EquinoxNet, jax.random.key(3), forget_relu=True))
-    wrong = px.transfer_params(models["haiku"], forgetful, mapping)
+    wrong = px.transfer_params(models["haiku"], forgetful, mapping, inputs=images, verify=False)
     first = px.compare(models["haiku"], wrong, images).first_divergence
     assert (first.path_a, first.path_b) == ("fc1", "mlp.layers.0")  # the layer after the missing relu
 
     # A transposed kernel (a classic Haiku -> Equinox slip) is caught at its own layer.
-    port = px.transfer_params(models["haiku"], models["equinox"], mapping)
+    port = px.transfer_params(models["haiku"], models["equinox"], mapping, inputs=images)
     transposed = eqx.tree_at(lambda m: m.conv2.weight, port, jnp.swapaxes(port.conv2.weight, 0, 1))
     # conv2 is square (8 -> 8 channels): the slip keeps every shape, only values show it.
     assert transposed.conv2.weight.shape == port.conv2.weight.shape

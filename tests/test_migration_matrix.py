@@ -540,6 +540,46 @@ def test_haiku_lstm_needs_inputs_to_be_known():
         px.transfer_params(models["haiku"], models["equinox"], {"lstm": "cell"})
 
 
+def unknown_kind(path):
+    return rf"layer '{path}'.*pass inputs= \(example inputs\) so the layer kind is known"
+
+
+def test_a_haiku_conv_transpose_with_a_custom_name_needs_inputs():
+    # Its parameters are a conv's (`w`, `b`, same shapes): only a call tells them apart.
+    x = jax.random.normal(jax.random.key(0), (2, 5, 5, 4))
+    haiku_up = haiku(lambda x: hk.Conv2DTranspose(6, 4, 2, padding=[(2, 2)] * 2, name="up")(x), x)
+    # Equinox's padding is the forward conv's: 1 pads the dilated input by 4 - 1 - 1 = 2.
+    equinox_up = EqxBatched(eqx.nn.ConvTranspose2d(4, 6, 4, 2, padding=1, key=jax.random.key(1)), channels_first=True)
+    assert not np.allclose(haiku_up(x), equinox_up(x), atol=1e-3)
+    directions = [(haiku_up, equinox_up, {"up": "layer"}), (equinox_up, haiku_up, {"layer": "up"})]
+    for source, destination, mapping in directions:
+        with pytest.raises(px.HookError, match=unknown_kind("up")):
+            px.transfer_params(source, destination, mapping)
+        port = px.transfer_params(source, destination, mapping, inputs=x, verify=False)
+        np.testing.assert_allclose(port(x), source(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_haiku_conv_is_known_without_inputs_only_by_a_default_name():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 5, 4))
+    custom = haiku(lambda x: hk.Conv2D(6, 3, name="features")(x), x)
+
+    def two_convs(x):
+        first = hk.Conv2D(6, 3)  # conv2_d, then conv2_d_1
+        return hk.Conv2D(6, 3)(first(x))
+
+    defaults = haiku(two_convs, x)
+    convs = [eqx.nn.Conv2d(c, 6, 3, padding=1, key=jax.random.key(c)) for c in (4, 6)]
+    equinox = EqxBatched(eqx.nn.Sequential(convs), channels_first=True)
+    with pytest.raises(px.HookError, match=unknown_kind("features")):
+        px.transfer_params(custom, equinox, {"features": "layer.layers.0"})
+    transpose = haiku(lambda x: hk.Conv2DTranspose(6, 3)(x), x)  # its default name is not a conv's
+    with pytest.raises(px.HookError, match=unknown_kind("conv2_d_transpose")):
+        px.transfer_params(transpose, equinox, {"conv2_d_transpose": "layer.layers.0"})
+    assert not np.allclose(defaults(x), equinox(x), atol=1e-3)
+    port = px.transfer_params(defaults, equinox, {"conv2_d": "layer.layers.0", "conv2_d_1": "layer.layers.1"})
+    np.testing.assert_allclose(port(x), defaults(x), rtol=1e-5, atol=1e-5)
+
+
 def test_adapters_are_complete_or_cannot_be_built():
     class Incomplete(AbstractConverted):
         def layers(self):

@@ -7,6 +7,7 @@ interceptor hands every selected method call of every Haiku submodule to
 """
 
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -365,7 +366,14 @@ def _transpose(params: dict, local: tuple[str, ...], module: hk.ConvNDTranspose)
                   facts=facts)
 
 
-_NO_TRANSPOSE = "a conv-transpose layer's stride and padding are known from a call (pass inputs=)"
+# A conv's and a conv-transpose's params look alike (`w`, `b`); only the module, known
+# from a call, or the default name of hk.Conv1D/2D/3D/ConvND (`conv2_d`, `conv2_d_1`
+# for a second one) tells them apart.
+_CONV_NAME = re.compile(r"(conv[123]_d|conv_nd)(_\d+)?")
+_UNKNOWN_KIND = (
+    "its parameters could be a conv's or a conv-transpose's (laid out differently), and its name is not a default "
+    "name of hk.Conv1D/2D/3D/ConvND: pass inputs= (example inputs) so the layer kind is known"
+)
 
 
 def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
@@ -405,8 +413,8 @@ def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: di
             return Layout("attention_in", {"kernel": Param(w, axes("in", heads)), "bias": Param(b, axes(heads))}, sizes)
         if w.ndim - lead == 2:
             return Layout("linear", {"kernel": Param(w, axes("in", "out")), "bias": Param(b, axes("out"))})
-        if module is None and "transpose" in key:
-            raise refuse(path, _NO_TRANSPOSE)
+        if module is None and not _CONV_NAME.fullmatch(local[-1]):
+            raise refuse(path, _UNKNOWN_KIND)
         window = tuple(f"window{i}" for i in range(w.ndim - lead - 2))
         facts = {"groups": module.feature_group_count} if isinstance(module, hk.ConvND) else {}
         kernel = Param(w, axes(*window, "in", "out"))
