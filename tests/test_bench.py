@@ -1,0 +1,38 @@
+"""`benchmarks/bench.py --quick` (small models, a few repetitions) runs end to end and
+writes a complete page: every section and library, a status for every row, and every
+hooked variant's output equal to its raw one."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARIES = ("Equinox", "Haiku", "NNX", "linen")
+
+
+def test_quick_bench_writes_the_page(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    lines = out.read_text().splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    rows = [c for c in cells if len(c) == 8 and c[0] != "section"]
+    for section in ("log-everything", "dispatch", "statistics", "compile"):
+        assert any(r[0] == section for r in rows), section
+    for library in LIBRARIES:
+        for model in ("MLP", "transformer"):
+            assert any(r[0] == "log-everything" and r[2] == f"{library} {model}" for r in rows)
+        assert any(r[0] == "statistics" and r[2] == f"{library} MLP" for r in rows)
+    for r in rows:
+        assert r[7] in ("ok", "report") or re.fullmatch(r"over by [\d.]+(%| µs)", r[7]), r
+    outputs = lines.index("## Outputs of the hooked variants against raw")
+    end = next(i for i in range(outputs + 1, len(lines)) if lines[i].startswith("## "))
+    diffs = [[c.strip() for c in line.strip("|").split("|")] for line in lines[outputs:end] if line.startswith("| ")]
+    diffs = [d for d in diffs if d[0] not in ("model", "---")]
+    assert {d[0].split()[0] for d in diffs} == set(LIBRARIES)
+    for model, variant, diff, scale in diffs:
+        assert float(scale) > 0 and float(diff) <= 1e-5 * float(scale), (model, variant, diff)
+    assert any(line.startswith("- **Targets missed:") for line in lines)
