@@ -34,6 +34,17 @@ def inputs():
     return clean, clean.at[2].set((clean[2] + 1) % 11)
 
 
+@pytest.fixture(scope="module")
+def clean_cache(model, inputs):
+    """Every layer's output and inputs on the clean tokens, taken once."""
+    _, cache = jitted(lambda m, x: px.cache(m, x, inputs=True), model, inputs[0])
+    return cache
+
+
+def only(cache, *keys):
+    return {key: cache[key] for key in keys}
+
+
 def manual(model, x, edit_block=lambda i, h: h, edit_attn=lambda i, a: a):
     """The Transformer's forward pass written out, block by block: `edit_block(i, h)`
     edits block i's output (the residual stream), `edit_attn(i, a)` its attention
@@ -61,29 +72,25 @@ def test_cache_is_the_forward_pass(model, inputs):
     close(cache["blocks.attn"], attns)
 
 
-def test_patching_every_layer_gives_the_clean_output(model, inputs):
+def test_patching_every_layer_gives_the_clean_output(model, inputs, clean_cache):
     clean, corrupted = inputs
-    _, cache = px.cache(model, clean)  # every layer
     clean_out = model(clean)
     assert not np.allclose(model(corrupted), clean_out, atol=1e-3)
-    close(run(px.patch(model, cache), corrupted), clean_out)
-    # The residual stream alone suffices; so do the layer inputs of the head.
-    _, blocks = px.cache(model, clean, where="blocks")
-    close(run(px.patch(model, blocks), corrupted), clean_out)
-    _, head_inputs = px.cache(model, clean, where="head", inputs=True)
-    assert set(head_inputs) == {"head", "head:in"}
-    close(run(px.patch(model, head_inputs, inputs=True), corrupted), clean_out)
+    close(run(px.patch(model, clean_cache), corrupted), clean_out)
+    # The residual stream alone suffices; so do the inputs of the head.
+    close(run(px.patch(model, only(clean_cache, "blocks")), corrupted), clean_out)
+    close(run(px.patch(model, only(clean_cache, "head:in"), inputs=True), corrupted), clean_out)
 
 
 def at_step_1(current, cached, site):
     return jnp.where(site.step == 1, cached, current)
 
 
-def test_patching_one_step_is_the_hand_computed_effect(model, inputs):
+def test_patching_one_step_is_the_hand_computed_effect(model, inputs, clean_cache):
     clean, corrupted = inputs
     _, clean_blocks, _ = manual(model, clean)
     expected, _, _ = manual(model, corrupted, edit_block=lambda i, h: clean_blocks[1] if i == 1 else h)
-    _, whole = px.cache(model, clean, where="blocks")
+    whole = only(clean_cache, "blocks")
     _, one = px.cache(model, clean, where="blocks.1")
     assert one["blocks.1"].shape == (T, 8)
     # One step, patched from a cache of that step or of the whole stack.
@@ -92,6 +99,18 @@ def test_patching_one_step_is_the_hand_computed_effect(model, inputs):
     # The same through `fn` and the traced step.
     by_step = px.patch(model, whole, "blocks", fn=at_step_1)
     close(run(by_step, corrupted), expected)
+
+
+def test_patching_inside_a_vmap_inside_the_stack(model, inputs):
+    # The projections run under a vmap over positions inside the scanned stack: each
+    # call takes its own (step, position) entry. Clean queries, keys and values give
+    # every block its clean attention output.
+    clean, corrupted = inputs
+    projections = ["blocks.attn.query_proj", "blocks.attn.key_proj", "blocks.attn.value_proj"]
+    _, cache = jitted(lambda m, x: px.cache(m, x, where=projections), model, clean)
+    assert cache["blocks.attn.value_proj"].shape == (STEPS, T, 8)
+    _, _, clean_attns = manual(model, clean)
+    close(run(px.patch(model, cache), corrupted), manual(model, corrupted, edit_attn=lambda i, a: clean_attns[i])[0])
 
 
 def patch_one(model, cache, corrupted, layer, position):
@@ -118,12 +137,12 @@ def check_sweep(model, cache, corrupted, by_hand):
             for layer in range(STEPS)
         ]
     close(swept, jnp.asarray(loop))
-    close(swept, jax.vmap(jax.vmap(by_hand))(*grid))
+    close(swept, jax.jit(jax.vmap(jax.vmap(by_hand)))(*grid))
 
 
-def test_vmapped_sweep_equals_the_loop_of_single_patches(model, inputs):
+def test_vmapped_sweep_equals_the_loop_of_single_patches(model, inputs, clean_cache):
     clean, corrupted = inputs
-    _, cache = px.cache(model, clean, where="blocks")
+    cache = only(clean_cache, "blocks")
     _, clean_blocks, _ = manual(model, clean)
 
     def by_hand(layer, position):
@@ -138,20 +157,19 @@ def test_vmapped_sweep_equals_the_loop_of_single_patches(model, inputs):
     close(run(one_step, corrupted), by_hand(2, 3))
 
 
-def test_ablations_equal_hand_edited_models(model, inputs):
+def test_ablations_equal_hand_edited_models(model, inputs, clean_cache):
     clean, _ = inputs
     batch = jnp.stack([tokens(key, seq=T) for key in range(4)])
     _, batched = jax.vmap(lambda x: px.cache(model, x, where="blocks.attn"))(batch)
     assert batched["blocks.attn"].shape == (4, STEPS, T, 8)
-    means = jnp.mean(jnp.stack([manual(model, x)[2] for x in batch]), axis=0)
+    means = jnp.mean(jax.vmap(lambda x: manual(model, x)[2])(batch), axis=0)
 
     out = run(px.ForwardHook(model, hook_fn=px.MeanAblation(batched), where="blocks.attn"), clean)[0]
     close(out, manual(model, clean, edit_attn=lambda i, a: means[i])[0])
     out = run(px.ForwardHook(model, hook_fn=px.ZeroAblation(), where="blocks.1.attn"), clean)[0]
     close(out, manual(model, clean, edit_attn=lambda i, a: jnp.zeros_like(a) if i == 1 else a)[0])
     # Mixed with a patch in one wrapper: the first matching pattern wins.
-    _, cache = px.cache(model, clean, where="blocks.attn")
-    hooks = {"blocks.0.attn": px.ZeroAblation(), "blocks.attn": px.CachePatch(cache)}
+    hooks = {"blocks.0.attn": px.ZeroAblation(), "blocks.attn": px.CachePatch(only(clean_cache, "blocks.attn"))}
     out = run(px.ForwardHook(model, hook_fn=hooks, where="blocks.attn"), batch[0])[0]
     _, _, clean_attns = manual(model, clean)
     close(out, manual(model, batch[0], edit_attn=lambda i, a: jnp.zeros_like(a) if i == 0 else clean_attns[i])[0])
@@ -168,9 +186,9 @@ def test_patched_model_can_be_hooked_again(model, inputs):
     close(log["blocks"], blocks)  # the outer log sees the patched values
 
 
-def test_missing_or_misshapen_cache_entries_raise(model, inputs):
+def test_missing_or_misshapen_cache_entries_raise(model, inputs, clean_cache):
     clean, corrupted = inputs
-    _, cache = px.cache(model, clean, where="blocks")
+    cache = only(clean_cache, "blocks")
     with pytest.raises(px.HookError, match=r"no entry 'head'.*its keys: blocks"):
         px.patch(model, cache, "head")(corrupted)
     with pytest.raises(px.HookError, match=r"'blocks\.1\.attn'"):
