@@ -74,6 +74,9 @@ def main():
     tokens = jnp.arange(6) % 32
     _, log = run(px.ForwardHook(model, log_fn=px.IdentityLog()), tokens)
     show("Transformer: forward log (scan axis and vmap axes leading)", log)
+    # The same call sites, found without running the model: the scanned stack of 3
+    # blocks is one row per layer, marked x3, and the top-level rows add up to the total.
+    print(px.summary(model, tokens))
 
     hooked = px.BackwardHook(model, log_fn=px.MeanStdLog(), where=["blocks", "head"]).init(tokens)
     grads = eqx.filter_jit(eqx.filter_grad(lambda h, t: jnp.mean(h(t) ** 2)))(hooked, tokens)

@@ -9,6 +9,7 @@ from ._adapters._function import (
     from_function as from_function,
 )
 from ._diagnostics._recorder import Recorder as Recorder
+from ._diagnostics._sites import SiteRow as SiteRow, sites as sites
 from ._diagnostics._stats import (
     AbsMaxLog as AbsMaxLog,
     Histogram as Histogram,
@@ -21,7 +22,6 @@ from ._diagnostics._stats import (
     pool_stats as pool_stats,
 )
 from ._diagnostics._summary import (
-    LayerRow as LayerRow,
     Summary as Summary,
     model_sizes as model_sizes,
     num_features as num_features,
@@ -134,7 +134,6 @@ __all__ = [
     "IdentityHook",
     "IdentityLog",
     "L2NormLog",
-    "LayerRow",
     "LinenModule",
     "MeanAblation",
     "MeanLog",
@@ -145,6 +144,7 @@ __all__ = [
     "Patched",
     "PeexInteropError",
     "Recorder",
+    "SiteRow",
     "StatsLog",
     "StdLog",
     "Summary",
@@ -168,6 +168,7 @@ __all__ = [
     "patch",
     "pool_stats",
     "rename",
+    "sites",
     "summary",
     "to_nnx",
     "total_params",

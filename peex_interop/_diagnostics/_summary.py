@@ -4,30 +4,9 @@
 import dataclasses
 from typing import Any
 
-import equinox as eqx
-import jax
-import jax.tree_util as jtu
-
-from .._engine._context import HookContext, Site
-from .._engine._hooking import hooking
 from .._engine._paths import AbstractConverted
-from .._engine._selection import Selection
+from ._sites import SiteRow, find_sites, parameter_counts
 from ._table import AbstractTabular, Table
-
-
-def _counts(tree: Any) -> tuple[int, int]:
-    # Equinox keeps running statistics (BatchNorm) as the initial values of StateIndex
-    # fields: they are not trained, so they are counted apart.
-    trainable = other = 0
-    for leaf in jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (eqx.nn.StateIndex, AbstractConverted))):
-        if isinstance(leaf, AbstractConverted):
-            t, o = leaf.parameter_counts()
-            trainable, other = trainable + t, other + o
-        elif isinstance(leaf, eqx.nn.StateIndex):
-            other += sum(x.size for x in jtu.tree_leaves(leaf) if eqx.is_inexact_array(x))
-        elif eqx.is_inexact_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            trainable += leaf.size
-    return trainable, other
 
 
 def total_params(model: Any) -> tuple[int, int]:
@@ -42,87 +21,76 @@ def total_params(model: Any) -> tuple[int, int]:
     `(trainable, non_trainable)`: e.g. `(352, 0)` for a linear layer 10 -> 32, `(40, 40)`
     for a BatchNorm over 20 features (its running mean and variance are not trained).
     """
-    return _counts(model)
+    return parameter_counts(model)
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerRow:
-    """One call site of a summary."""
-
-    path: str
-    module_type: str
-    kind: str
-    trainable: int
-    non_trainable: int
-    output_shapes: tuple[tuple[int, ...], ...]
-
-
-class _SiteFacts:
-    """A policy that records static facts of every call site (shapes, types, counts)."""
-
-    selection = Selection()
-    observes_values = False  # only shapes, types and counts: fine under any transform
-
-    def __init__(self):
-        self.rows: list[LayerRow] = []
-
-    def run_site(self, context: HookContext, site: Site) -> Any:
-        output = site.call(*site.args, **site.kwargs)
-        if isinstance(site.owner, AbstractConverted) and site.owner is not site.module:
-            trainable, other = site.owner.layer_parameter_counts(site.module)
-        else:
-            trainable, other = _counts(site.module)
-        shapes = tuple(tuple(leaf.shape) for leaf in jtu.tree_leaves(output) if hasattr(leaf, "shape"))
-        self.rows.append(LayerRow(site.key, type(site.module).__name__, site.kind, trainable, other, shapes))
-        return output
+def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return ", ".join(str(s) for s in shapes)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Summary(AbstractTabular):
-    """The rows of `px.summary`, in the order the calls *returned* (a container after its
-    children); shows as a table in the terminal (`print`, rich) and in notebooks."""
+    """The rows of `px.summary` (`px.SiteRow`s, as `px.sites` lists them), in the order
+    the calls *returned* (a container after its children); shows as a table in the
+    terminal (`print`, rich) and in notebooks.
+
+    A layer of a stack of `N` layers (`row.stack_length`) is one row marked `xN`, whose
+    parameter columns count the whole stack, so that the rows of the top-level layers add
+    up to the model's total. `unhookable` lists the calls that no hook can reach.
+    """
 
     model_type: str
-    rows: tuple[LayerRow, ...]
+    rows: tuple[SiteRow, ...]
     total: tuple[int, int]
 
+    @property
+    def unhookable(self) -> tuple[str, ...]:
+        """Keys of the calls that run under a transform peex_interop does not thread."""
+        return tuple(row.key for row in self.rows if not row.hookable)
+
     def _table(self) -> Table:
+        caption = f"{self.model_type}: {self.total[0]:,} trainable parameters, {self.total[1]:,} non-trainable"
+        if self.unhookable:
+            caption += (
+                f"; not hookable (under a transform peex_interop does not thread): {', '.join(self.unhookable)}"
+            )
         return Table(
-            ("path", "type", "kind", "params", "non-trainable", "output shape(s)"),
+            ("path", "type", "kind", "stack", "input shape(s)", "output shape(s)", "params", "non-trainable"),
             tuple(
-                (r.path, r.module_type, r.kind, f"{r.trainable:,}", f"{r.non_trainable:,}",
-                 ", ".join(str(s) for s in r.output_shapes))
+                (
+                    r.key, r.module_type, r.kind, f"x{r.stack_length}" if r.stacks else "",
+                    _shapes(r.input_shapes), _shapes(r.output_shapes),
+                    f"{r.trainable * r.stack_length:,}", f"{r.non_trainable * r.stack_length:,}",
+                )
                 for r in self.rows
             ),
-            f"{self.model_type}: {self.total[0]:,} trainable parameters, {self.total[1]:,} non-trainable",
-            numeric=frozenset({3, 4}),
+            caption,
+            numeric=frozenset({3, 6, 7}),
         )
 
 
 def summary(model: Any, *args: Any, **kwargs: Any) -> Summary:
-    """One row per call site: path, module type, kind, parameters, output shape(s).
+    """One row per call site: path, module type, kind, stack length, input and output
+    shape(s), parameters.
 
-    Runs the model abstractly (`eqx.filter_eval_shape`): nothing is computed. Layers
-    inside a vmap/scan body report the shapes of one example/step, and a scanned layer
-    stack reports the parameters of one layer.
+    Builds on `px.sites`: runs the model abstractly (`jax.eval_shape`), so nothing is
+    computed. Shapes are those of one call: layers inside a vmap/scan body report the
+    shapes of one example/step. A scanned stack of `N` layers shows one row per layer
+    of the stack marked `xN`, with the parameters of all `N`.
 
     **Arguments:**
 
-    - `model`: an `eqx.Module`, or a model from `px.from_haiku` / `px.from_nnx`.
+    - `model`: an `eqx.Module`, or a model from `px.from_haiku`, `px.from_nnx`,
+        `px.from_linen` or `px.from_function` (anything else raises a `TypeError`
+        that says how to convert it).
     - `*args`, `**kwargs`: example arguments.
 
     **Returns:**
 
     A `Summary` (print it, or read `.rows`).
     """
-    facts = _SiteFacts()
-
-    def run(model, args, kwargs):
-        with hooking(model, facts) as context:
-            return context.root(*args, **kwargs)
-
-    eqx.filter_eval_shape(run, model, args, kwargs)
-    return Summary(type(model).__name__, tuple(facts.rows), total_params(model))
+    rows = find_sites(model, args, kwargs, "px.summary")
+    return Summary(type(model).__name__, rows, total_params(model))
 
 
 def model_sizes(model: Any, *args: Any, **kwargs: Any) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -136,7 +104,7 @@ def model_sizes(model: Any, *args: Any, **kwargs: Any) -> dict[str, tuple[tuple[
 
     `{path: output shapes}` in the order the calls returned.
     """
-    return {row.path: row.output_shapes for row in summary(model, *args, **kwargs).rows}
+    return {row.key: row.output_shapes for row in summary(model, *args, **kwargs).rows}
 
 
 def num_features(model: Any, *args: Any, **kwargs: Any) -> int:

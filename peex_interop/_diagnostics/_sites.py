@@ -1,0 +1,183 @@
+"""`px.sites`: every call site a hook can select, found by one abstract run of the model
+through the engine (`jax.eval_shape`: shapes and dtypes only, nothing is computed)."""
+
+import dataclasses
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from .._engine._context import HookContext, Site
+from .._engine._hooking import check_model, hooking
+from .._engine._paths import AbstractConverted
+from .._engine._selection import Selection
+
+
+def parameter_counts(tree: Any) -> tuple[int, int]:
+    """(trainable, non-trainable) numbers of parameters of a pytree of Equinox modules
+    and converted models."""
+    # Equinox keeps running statistics (BatchNorm) as the initial values of StateIndex
+    # fields: they are not trained, so they are counted apart.
+    trainable = other = 0
+    for leaf in jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (eqx.nn.StateIndex, AbstractConverted))):
+        if isinstance(leaf, AbstractConverted):
+            t, o = leaf.parameter_counts()
+            trainable, other = trainable + t, other + o
+        elif isinstance(leaf, eqx.nn.StateIndex):
+            other += sum(x.size for x in jtu.tree_leaves(leaf) if eqx.is_inexact_array(x))
+        elif eqx.is_inexact_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
+            trainable += leaf.size
+    return trainable, other
+
+
+def _shapes(tree: Any) -> Any:
+    # Tracers of the abstract run must not outlive it: arrays become their shape and
+    # dtype; other leaves (None, flags, static numbers) are kept as they were passed.
+    return jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree)
+
+
+def _array_shapes(tree: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(leaf.shape) for leaf in jtu.tree_leaves(tree) if isinstance(leaf, jax.ShapeDtypeStruct))
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteRow:
+    """One call of one layer, as `px.sites` finds it (and `px.summary` shows it).
+
+    Shapes are those of one call: inside a mapped body (`vmap`, `scan`, `lax.map`,
+    `fori_loop`, `shard_map`), one example or step. A log of this call
+    (`px.ForwardHook(..., log_fn=px.IdentityLog())`) has the enclosing bodies' `lengths`
+    in front: `lengths + shape` for each output array.
+
+    **Fields:**
+
+    - `key`: the log key: the path, or `path@n` for the layer's `n`-th repeated call.
+    - `path`: the layer's dotted path (what `where=` matches).
+    - `kind`: its kind (`px.KINDS`).
+    - `module_type`: the class name of the library's module (`Linear`, `Dense`, ...).
+    - `args`, `kwargs`: the call's arguments, arrays as `jax.ShapeDtypeStruct`.
+    - `output`: the call's output, arrays as `jax.ShapeDtypeStruct`.
+    - `trainable`, `non_trainable`: parameters of the layer, submodules included; of
+        one layer of a stack.
+    - `call`: which call of the layer this is (0 for the first; `n` in `path@n`).
+    - `calls`: how many times the layer is called in one run of the model.
+    - `lengths`: sizes of the mapped bodies enclosing the call, outermost first.
+    - `stacks`: the indices in `lengths` of the bodies that the layer's parameters are
+        stacked along (a scanned stack of layers; a stack inside a stack), `()` if none.
+    - `step_path`: the path with `{i}` after each stack's root (`blocks.{i}.attn`):
+        `where=` with a step number in its place selects that step only; the path
+        itself outside stacks.
+    - `hookable`: `False` if the call runs under a transform that peex_interop does not
+        thread (a `while_loop`; a `fori_loop` with traced bounds, as under `jax.jit`):
+        hooking or logging it raises `px.TransformError`.
+    """
+
+    key: str
+    path: str
+    kind: str
+    module_type: str
+    args: tuple
+    kwargs: dict
+    output: Any
+    trainable: int
+    non_trainable: int
+    call: int
+    calls: int
+    lengths: tuple[int, ...]
+    stacks: tuple[int, ...]
+    step_path: str
+    hookable: bool
+
+    @property
+    def stack_length(self) -> int:
+        """The number of layers in the stack(s) this layer belongs to (1 if none): the
+        `N` of the summary's `xN`."""
+        return math.prod(self.lengths[level] for level in self.stacks)
+
+    @property
+    def input_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the array arguments, positional then keyword."""
+        return _array_shapes((self.args, self.kwargs))
+
+    @property
+    def output_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the output arrays."""
+        return _array_shapes(self.output)
+
+
+class _SiteFinder:
+    """A policy that records the static facts of every call site, as `SiteRow` fields
+    but `calls` (known at the end). Facts are recorded by key: a body that JAX traces
+    twice gives the same keys again."""
+
+    selection = Selection()
+    observes_values = False  # shapes, types and counts only: fine under any transform
+
+    def __init__(self):
+        self.found: dict[str, dict[str, Any]] = {}
+
+    def run_site(self, context: HookContext, site: Site) -> Any:
+        output = site.call(*site.args, **site.kwargs)
+        # Converted models count a layer's parameters during its call only.
+        if isinstance(site.owner, AbstractConverted) and site.owner is not site.module:
+            trainable, other = site.owner.layer_parameter_counts(site.module)
+        else:
+            trainable, other = parameter_counts(site.module)
+        self.found[site.key] = dict(
+            key=site.key,
+            path=site.path,
+            kind=site.kind,
+            module_type=type(site.module).__name__,
+            args=_shapes(site.args),
+            kwargs=_shapes(site.kwargs),
+            output=_shapes(output),
+            trainable=trainable,
+            non_trainable=other,
+            call=site.call_index,
+            lengths=site.lengths,
+            stacks=tuple(level for level, _ in site.stacks),
+            step_path=site.step_path,
+            hookable=not context.in_foreign_trace(),
+        )
+        return output
+
+
+def find_sites(model: Any, args: tuple, kwargs: dict, caller: str) -> tuple[SiteRow, ...]:
+    """`px.sites`, refusing a model it cannot hook in the name of `caller`."""
+    check_model(model, caller)
+    finder = _SiteFinder()
+
+    def run(model, args, kwargs):
+        with hooking(model, finder) as context:
+            return context.root(*args, **kwargs)
+
+    eqx.filter_eval_shape(run, model, args, kwargs)
+    calls: dict[str, int] = {}
+    for facts in finder.found.values():
+        calls[facts["path"]] = calls.get(facts["path"], 0) + 1
+    return tuple(SiteRow(**facts, calls=calls[facts["path"]]) for facts in finder.found.values())
+
+
+def sites(model: Any, *args: Any, **kwargs: Any) -> tuple[SiteRow, ...]:
+    """Every call site that a hook can select, for these arguments, without running the
+    model: path, kind, module type, input and output shapes and dtypes, parameters,
+    repeated calls and stack length, found abstractly (`jax.eval_shape`).
+
+    The keys are those of the logs that `px.ForwardHook` and `px.BackwardHook` return
+    for the same arguments, in the order the calls return (a container after its
+    children).
+
+    **Arguments:**
+
+    - `model`: an `eqx.Module`, or a model from `px.from_haiku`, `px.from_nnx`,
+        `px.from_linen` or `px.from_function`. Anything else (an `nnx.Module`, a Haiku
+        `hk.Transformed`) raises a `TypeError` that says how to convert it.
+    - `*args`, `**kwargs`: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+
+    **Returns:**
+
+    A tuple of `px.SiteRow`, one per call.
+    """
+    return find_sites(model, args, kwargs, "px.sites")
