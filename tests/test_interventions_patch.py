@@ -270,4 +270,6 @@ def test_haiku_layer_stack():
     close(cache["blocks.lin"], clean_linears)
     close(run(px.patch(model, cache), corrupted), expected)
     by_step = px.patch(model, cache, fn=at_step_1)
-    close(run(by_step, corrupted), by_hand(corrupted, lambda i, y: clean_linears[1] if i == 1 else y)[0])
+    one_step = by_hand(corrupted, lambda i, y: clean_linears[1] if i == 1 else y)[0]
+    close(run(by_step, corrupted), one_step)
+    close(run(px.patch(model, cache, "blocks.lin.1"), corrupted), one_step)
