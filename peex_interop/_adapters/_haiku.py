@@ -110,10 +110,12 @@ class _AbstractHaiku(AbstractConverted):
         outer = _context.origin(leaf)
         if outer is leaf:
             return None
+        # `attn/key/w`: the module `attn`, its submodule `key`, the parameter `w`.
+        inner_key, _, param_name = name.rpartition("/")
+        below = inner_key[len(module.module_name) :]  # `/key`: the submodule, if any
         for key, values in (getattr(self, "params", None) or {}).items():
-            for param_name, value in values.items():
-                if value is outer and name.endswith(f"/{param_name}"):
-                    return _params_path(key)
+            if values.get(param_name) is outer and key.endswith(inner_key):
+                return _params_path(key[: len(key) - len(below)])
         return None
 
     def layer_kind(self, module: hk.Module) -> str:

@@ -163,10 +163,13 @@ class _Scope:
     leaves: dict = dataclasses.field(default_factory=dict)
     modules: dict = dataclasses.field(default_factory=dict)
     # A mapped body's traced index and size; `stacked`: model arrays come in mapped
-    # (one slice per step: a stack of layers).
+    # (one slice per step: a stack of layers). `indices`, `lengths`: the indices of
+    # every mapped body this scope runs in (its own last), as values of its own trace.
     index: Any = None
     length: int = 0
     stacked: bool = False
+    indices: tuple = ()
+    lengths: tuple[int, ...] = ()
     # Logs of one step of this or an enclosing stack: key -> (depth of the stack's
     # scope, step), sliced out when that scope's stacked logs come out.
     steps: dict = dataclasses.field(default_factory=dict)
@@ -347,15 +350,19 @@ class HookContext:
                 key, active, one_step = self._at_steps(key, name, stacks, steps)
             site = Site(
                 path, key, owner, module, kind, call, args, kwargs, count,
-                tuple(s.index for s in self.scopes if s.index is not None),
-                tuple(s.length for s in self.scopes if s.index is not None),
-                tuple((sum(s.index is not None for s in self.scopes[:d]), root) for d, root in stacks),
+                self.scopes[-1].indices,
+                self.scopes[-1].lengths,
+                tuple((self._level(d), root) for d, root in stacks),
                 active,
                 one_step,
             )
             return self.policy.run_site(self, site)
         finally:
             self.frames.pop()
+
+    def _level(self, depth: int) -> int:
+        """The position of the mapped body at scope `depth` among the mapped bodies."""
+        return sum(scope.index is not None for scope in self.scopes[:depth])
 
     def _stacks(self) -> list[tuple[int, str]]:
         """The stacks this call runs in: (depth of the stack body's scope, the path of
@@ -375,7 +382,7 @@ class HookContext:
         for choice in steps:
             hit = jnp.asarray(True)
             for level, step in choice.items():
-                hit = hit & (self.scopes[stacks[level][0]].index == step)
+                hit = hit & (self.scopes[-1].indices[self._level(stacks[level][0])] == step)
             active = active | hit
         if len(steps) == 1 and len(steps[0]) == len(stacks):
             roots = [root for _, root in stacks]
@@ -454,15 +461,22 @@ class HookContext:
 
     # -- transformed bodies -------------------------------------------------------------
     def enter_body(
-        self, outer: Any, inner: Any, probes: dict, foreign: bool, index: Any = None, length: int = 0
+        self, outer: Any, inner: Any, probes: dict, foreign: bool, index: Any = None, length: int = 0,
+        visible: tuple | None = None,
     ) -> None:
         """Open the scope of a body whose inputs `inner` stand for `outer`: a known
         module passed in names its inner counterpart (and everything under it) by
         position, so one layer object at two paths stays two layers; other array
         inputs are named by the model paths of the arrays they stand for. A mapped
         body (`index`: its traced index) into which model arrays come mapped (one
-        axis fewer inside) runs a stack of layers."""
+        axis fewer inside) runs a stack of layers. `visible`: an enclosed body's
+        inputs that stand for the enclosing scope's indices."""
+        parent = self.scopes[-1]
         scope = _Scope(probes, _trace_state(), foreign, index=index, length=length)
+        scope.indices = parent.indices if visible is None else tuple(visible)
+        scope.lengths = parent.lengths
+        if index is not None:
+            scope.indices, scope.lengths = (*scope.indices, index), (*scope.lengths, length)
         outer_nodes, inner_nodes = _positions(outer), _positions(inner)
         if len(outer_nodes) == len(inner_nodes):
             base: tuple[str, ...] = ()

@@ -53,11 +53,16 @@ class _Body:
         self.probed: list[set] = [set() for _ in self.contexts]
         self.steps: list[dict] = [{} for _ in self.contexts]
 
-    def __call__(self, probes: list, inner: Any, args: tuple, kwargs: dict, index: Any = None, length: int = 0):
-        """Run the body; `index`, `length`: a mapped body's traced index and size."""
-        for context, counts, probe, foreign in zip(self.contexts, self.start, probes, self.foreign):
+    def __call__(
+        self, probes: list, inner: Any, args: tuple, kwargs: dict, index: Any = None, length: int = 0,
+        visible: list | None = None,
+    ):
+        """Run the body; `index`, `length`: a mapped body's traced index and size;
+        `visible`: an enclosed body's inputs standing for the enclosing indices."""
+        visible = visible or [None] * len(self.contexts)
+        for context, counts, probe, foreign, seen in zip(self.contexts, self.start, probes, self.foreign, visible):
             context.counts = dict(counts)
-            context.enter_body(self.outer, inner, probe, foreign, index, length)
+            context.enter_body(self.outer, inner, probe, foreign, index, length, seen)
         assert self.fn is not None, "a released body ran again"
         try:
             out = self.fn(*args, **kwargs)
@@ -72,12 +77,19 @@ class _Body:
     def no_probes(self) -> list:
         return [{} for _ in self.contexts]
 
-    def enclosing_probes(self) -> list:
-        # Passed into cond/checkpoint/jit bodies as inputs: a body closing over them
-        # would leave them in JAX's trace caches after the call.
+    def enclosing(self) -> tuple[list, list]:
+        """The enclosing scopes' backward slots and visible step indices, passed into
+        cond/checkpoint/jit bodies as inputs: a body closing over them would leave
+        them (tracers of the enclosing trace) in JAX's trace caches after the call."""
+        indices = [context.scopes[-1].indices for context in self.contexts]
         if not any(context.needs_probes for context in self.contexts):
-            return self.no_probes()
-        return [context.scopes[-1].probes for context in self.contexts]
+            return self.no_probes(), indices
+        return [context.scopes[-1].probes for context in self.contexts], indices
+
+    def enclosed(self, carried: tuple[list, list], inner: Any, args: tuple, kwargs: dict):
+        """Run an enclosed body given what `enclosing` returned, as its input."""
+        probes, visible = carried
+        return self(probes, inner, args, kwargs, visible=visible)
 
     def probes(self, run: Callable[[list], Any], logs_of: Callable[[Any], list]) -> list:
         """Per context, the backward slots of the layers that run inside the body,
@@ -119,11 +131,12 @@ class _Body:
             self.release()
         return result
 
-    def run_enclosed(self, run: Callable[[list], tuple[Any, list]]) -> Any:
-        """Run an unmapped transform (`run(probes) -> (out, logs)`: checkpoint, jit)
-        with the enclosing scope's slots, bring its logs out, and release the body."""
+    def run_enclosed(self, run: Callable[[tuple[list, list]], tuple[Any, list]]) -> Any:
+        """Run an unmapped transform (`run(carried) -> (out, logs)`: checkpoint, jit)
+        with the enclosing scope's slots and indices, bring its logs out, and release
+        the body."""
         try:
-            out, logs = run(self.enclosing_probes())
+            out, logs = run(self.enclosing())
             self.finish(logs)
         finally:
             self.release()
@@ -266,8 +279,8 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
     bodies = [_Body(fn, operands) for fn in fns]
 
     def branch(body: _Body, union: list | None) -> Callable:
-        def run(probes, *inner):
-            out, logs = body(probes, inner, inner, {})
+        def run(carried, *inner):
+            out, logs = body.enclosed(carried, inner, inner, {})
             if union is not None:
                 logs = [
                     {key: log.get(key, zeros) for key, zeros in _context.zeros_like(u).items()}
@@ -277,14 +290,14 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
 
         return run
 
-    probes = bodies[0].enclosing_probes()
+    carried = bodies[0].enclosing()
     try:
-        shapes = [_real_eval_shape(branch(body, None), probes, *operands)[1] for body in bodies]
+        shapes = [_real_eval_shape(branch(body, None), carried, *operands)[1] for body in bodies]
         union = [
             {key: value for branch_logs in per_context for key, value in branch_logs.items()}
             for per_context in zip(*shapes)
         ]
-        out, logs = select([branch(body, union) for body in bodies], probes, *operands)
+        out, logs = select([branch(body, union) for body in bodies], carried, *operands)
         end = [
             {path: max(counts.get(path, 0) for counts in per_context) for path in set().union(*per_context)}
             for per_context in zip(*(body.end for body in bodies))
@@ -367,11 +380,11 @@ def threaded_checkpoint(real_checkpoint: Callable) -> Callable:
                 return real_checkpoint(fun, **options)(*args, **kwargs)
             body = _Body(fun, (args, kwargs))
 
-            def checkpointed_body(probes, *inner_args, **inner_kwargs):
-                return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
+            def checkpointed_body(carried, *inner_args, **inner_kwargs):
+                return body.enclosed(carried, (inner_args, inner_kwargs), inner_args, inner_kwargs)
 
-            def run(probes):
-                return real_checkpoint(_probes_first(fun, checkpointed_body), **shifted)(probes, *args, **kwargs)
+            def run(carried):
+                return real_checkpoint(_probes_first(fun, checkpointed_body), **shifted)(carried, *args, **kwargs)
 
             return body.run_enclosed(run)
 
@@ -389,10 +402,10 @@ def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwa
     body = _Body(fun, (args, kwargs))
     static_out = []
 
-    def jitted_body(probes, *inner_args, **inner_kwargs):
+    def jitted_body(carried, *inner_args, **inner_kwargs):
         if filtered:
             (inner_args, inner_kwargs) = eqx.combine(inner_args[0], static_in)
-        out_and_logs = body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs)
+        out_and_logs = body.enclosed(carried, (inner_args, inner_kwargs), inner_args, inner_kwargs)
         dynamic, static = eqx.partition(out_and_logs, eqx.is_array)
         static_out.append(static)
         return dynamic
@@ -410,7 +423,7 @@ def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwa
             _probes_first(fun, jitted_body), static_argnums=_shift(options.get("static_argnums")), **kept
         )
         call_args, call_kwargs = args, kwargs
-    return body.run_enclosed(lambda probes: eqx.combine(jitted(probes, *call_args, **call_kwargs), static_out[-1]))
+    return body.run_enclosed(lambda carried: eqx.combine(jitted(carried, *call_args, **call_kwargs), static_out[-1]))
 
 
 class _AxisName:
