@@ -193,6 +193,8 @@ def test_missing_or_misshapen_cache_entries_raise(model, inputs, clean_cache):
         px.patch(model, cache, "head")(corrupted)
     with pytest.raises(px.HookError, match=r"'blocks\.1\.attn'"):
         px.patch(model, cache, "blocks.1.attn")(corrupted)
+    with pytest.raises(px.HookError, match="cache is empty"):
+        px.patch(model, {})
     with pytest.raises(px.HookError, match="must keep shapes"):
         px.patch(model, {"blocks": cache["blocks"][:, :2]})(corrupted)
     with pytest.raises(px.HookError, match=r"no entry 'blocks\.attn'"):

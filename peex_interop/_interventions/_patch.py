@@ -142,6 +142,8 @@ def patch(
     raises `px.HookError` naming the key and the cache's keys.
     """
     if where is None:
+        if not cache:
+            raise HookError("px.patch: the cache is empty, so where=None selects no layer")
         where = sorted({key.split("@")[0].split(":")[0] for key in cache})
     hook = CachePatch(cache, fn, inputs=inputs)
     if inputs:
