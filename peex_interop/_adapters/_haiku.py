@@ -23,6 +23,7 @@ from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, lax_transpose_padding, refuse
 from .._engine._paths import AbstractConverted
+from ._replace import replace
 
 HAIKU_KINDS: dict[type, str] = {
     hk.Linear: "linear",
@@ -204,11 +205,11 @@ class HaikuModule(_AbstractHaiku):
 
     def with_state(self, state: PyTree) -> "HaikuModule":
         """The same model carrying `state` (e.g. the `new_state` a call returned)."""
-        return eqx.tree_at(lambda m: m.state, self, state, is_leaf=lambda x: x is None)
+        return replace(self, state=state)
 
     def with_rng(self, rng: PRNGKeyArray | None) -> "HaikuModule":
         """The same model using `rng` for its next calls (dropout, sampling)."""
-        return eqx.tree_at(lambda m: m.rng, self, rng, is_leaf=lambda x: x is None)
+        return replace(self, rng=rng)
 
     def layers(self) -> dict[tuple[str, ...], Any]:
         # Haiku modules exist only during a call; their names are known from the

@@ -32,6 +32,7 @@ from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, axes, placed, refuse
 from .._engine._paths import AbstractConverted
 from ._nnx import flax_transpose_spec
+from ._replace import replace
 
 Path = tuple[str, ...]
 
@@ -155,7 +156,7 @@ class LinenModule(AbstractConverted):
 
         A copy whose other collections are unchanged.
         """
-        return eqx.tree_at(lambda m: m.variables, self, {**self.variables, **_plain(updates)})
+        return replace(self, variables={**self.variables, **_plain(updates)})
 
     def with_rngs(self, rngs: Mapping[str, PRNGKeyArray] | None) -> "LinenModule":
         """The same model with other rngs for its next calls (e.g. a new dropout key per
@@ -169,7 +170,7 @@ class LinenModule(AbstractConverted):
 
         A copy using `rngs`.
         """
-        return eqx.tree_at(lambda m: m.rngs, self, None if rngs is None else dict(rngs), is_leaf=lambda x: x is None)
+        return replace(self, rngs=None if rngs is None else dict(rngs))
 
     def layers(self) -> None:
         """`None`: linen creates compact submodules during the call, and the variables

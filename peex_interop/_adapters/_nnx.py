@@ -90,7 +90,7 @@ class NnxModule(AbstractConverted):
             output = module(*args, **kwargs)
         if not self.return_state:
             return output
-        return output, _convert(module, self.return_state)
+        return output, self._updated(module)
 
     def layers(self) -> dict[Path, nnx.Module]:
         """NNX path -> submodule, for `where=` validation and `px.module_paths`.
@@ -130,7 +130,7 @@ class NnxModule(AbstractConverted):
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`."""
         module = self._merged()
         _nnx_write(module, local, values)
-        return _convert(module, self.return_state)
+        return self._updated(module)
 
     def train(self, **attributes: Any) -> "NnxModule":
         """The NNX `module.train()`, functionally.
@@ -163,7 +163,10 @@ class NnxModule(AbstractConverted):
     def _in_mode(self, mode: str, attributes: dict[str, Any]) -> "NnxModule":
         module = self._merged()
         getattr(module, mode)(**attributes)
-        return _convert(module, self.return_state)
+        return self._updated(module)
+
+    def _updated(self, module: nnx.Module) -> "NnxModule":
+        return _convert(module, self.return_state, self.graphdef)
 
     def _merged(self) -> nnx.Module:
         # Without copy=True the merged module would share Variable objects with this
@@ -184,8 +187,14 @@ def _parameter_counts(state: nnx.State) -> tuple[int, int]:
     return trainable, other
 
 
-def _convert(module: nnx.Module, return_state: bool) -> NnxModule:
+def _convert(module: nnx.Module, return_state: bool, previous: nnx.GraphDef | None = None) -> NnxModule:
     graphdef, state = nnx.split(module)
+    # jit compares a call's static fields with the cached call's by `==`, and GraphDef
+    # equality walks the whole graph (tens of µs per call): a module updated by a call
+    # (`return_state=True`, BatchNorm training) keeps the very GraphDef it came with,
+    # so every later call compares it by identity.
+    if previous is not None and graphdef == previous:
+        graphdef = previous
     # split returns the module's own Variable objects; rebuilding the tree gives new
     # ones, so later changes to the live module cannot reach the converted one.
     return NnxModule(graphdef, jtu.tree_map(lambda x: x, state), return_state)

@@ -20,6 +20,14 @@ class AbstractConverted(eqx.Module):
     nodes but are reached through the library's interceptor at call time. `layers`
     lists them ahead of the call, for `where=` validation and `px.module_paths`."""
 
+    # Every jitted call flattens the model, and Equinox's flatten reads `__dict__`
+    # through `eqx.Module.__getattribute__`, a Python method (it makes bound methods
+    # pytrees): Python's own lookup halves the dispatch cost a converted model adds to
+    # its library's jitted call. Its bound methods are therefore plain methods: a
+    # transform of `converted.method` sees the model's arrays as constants, so pass
+    # the model as an argument instead.
+    __getattribute__ = object.__getattribute__
+
     @abc.abstractmethod
     def layers(self) -> dict[tuple[str, ...], Any] | None:
         """Local path -> the library's module (or its type; `None` where unknown), or
