@@ -95,5 +95,7 @@ def test_nnx_state_returned_by_steps_keeps_graph_definition():
         close(output, reference(X))
         # jit compares the graph definitions of consecutive steps by identity.
         assert model.graphdef is converted.graphdef
-    close(model.state["norm"]["mean"].get_value(), reference.norm.mean.get_value())
+    restored = px.to_nnx(model)
+    assert isinstance(restored, Normed)
+    close(restored.norm.mean.get_value(), reference.norm.mean.get_value())
     assert len(traces) == 1
