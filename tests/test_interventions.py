@@ -117,7 +117,7 @@ def test_whole_stack_logs_every_step(model):
 
 def test_hook_map_first_match_wins(model):
     x = tokens()
-    hooks = {"blocks.1.attn": lambda a: a * 0.0, "blocks.*.attn": lambda a: a * 3, "head": lambda y: -y}
+    hooks = {"blocks.1.attn": lambda a: a * 0.0, "blocks.attn": lambda a: a * 3, "head": lambda y: -y}
     out, _ = jitted(px.ForwardHook(model, hook_fn=hooks), x)
     expected, _ = manual(model, x, lambda i, a: a * 0.0 if i == 1 else a * 3)
     close(out, -expected)

@@ -162,11 +162,12 @@ class _Scope:
     # id(inner leaf) -> (paths of the model leaf, inner leaf, outer leaf)
     leaves: dict = dataclasses.field(default_factory=dict)
     modules: dict = dataclasses.field(default_factory=dict)
-    # A mapped body's traced index and size; `stacked`: model arrays come in mapped
-    # (one slice per step: a stack of layers). `indices`, `lengths`: the indices of
-    # every mapped body this scope runs in (its own last), as values of its own trace.
+    # A mapped body's size (`None`: not a mapped body) and traced index (`None` where
+    # no hook needs it); `stacked`: model arrays come in mapped (one slice per step: a
+    # stack of layers). `indices`, `lengths`: those of every mapped body this scope
+    # runs in (its own last), the indices as values of its own trace.
+    length: int | None = None
     index: Any = None
-    length: int = 0
     stacked: bool = False
     indices: tuple = ()
     lengths: tuple[int, ...] = ()
@@ -224,6 +225,11 @@ class HookContext:
         self.observes_values = getattr(policy, "observes_values", True)
         # Read once: the wrappers build their selection from static fields on access.
         self.selection = policy.selection
+        # Whether mapped bodies must provide their traced index (hooks that take the
+        # call site, one-step selections), or only name their axis (statistics that
+        # pool over it).
+        self.needs_indices = getattr(policy, "needs_indices", False) or bool(self.selection.step_patterns())
+        self.needs_axis_names = getattr(policy, "needs_axis_names", False)
         self.renames = self.selection.rename
         self.discovering = discovering
         self.root = root
@@ -324,12 +330,11 @@ class HookContext:
             steps: Any = True
             if not self.selection.selects(path, module, kind):
                 roots = [root for _, root in stacks]
-                steps, matched = self.selection.step_selects(path, roots, [self.scopes[d].length for d, _ in stacks])
+                lengths = [self.scopes[d].length or 0 for d, _ in stacks]
+                steps, matched = self.selection.step_selects(path, roots, lengths)
                 self.step_hits |= matched
                 if not steps:
                     return call(*args, **kwargs)
-                if any(not choice for choice in steps):
-                    steps = True  # `blocks.*.attn`: every step
             # Edits too: a trace made under an unthreaded transform may be cached by
             # JAX (a jit or loop body defined before hooking) and replayed by a later
             # hooked call with other hooks.
@@ -362,7 +367,7 @@ class HookContext:
 
     def _level(self, depth: int) -> int:
         """The position of the mapped body at scope `depth` among the mapped bodies."""
-        return sum(scope.index is not None for scope in self.scopes[:depth])
+        return sum(scope.length is not None for scope in self.scopes[:depth])
 
     def _stacks(self) -> list[tuple[int, str]]:
         """The stacks this call runs in: (depth of the stack body's scope, the path of
@@ -409,7 +414,7 @@ class HookContext:
         """Run a user hook or log (given the call site if it takes one), attaching the
         layer path to anything it raises (KeyboardInterrupt included)."""
         try:
-            return call_with_site(fn, value, CallSite.of(site))
+            return fn(value, CallSite.of(site)) if takes_site(fn) else fn(value)
         except BaseException as error:
             error.add_note(f"peex_interop: raised by {role} at layer {site.path!r}")
             raise
@@ -461,7 +466,7 @@ class HookContext:
 
     # -- transformed bodies -------------------------------------------------------------
     def enter_body(
-        self, outer: Any, inner: Any, probes: dict, foreign: bool, index: Any = None, length: int = 0,
+        self, outer: Any, inner: Any, probes: dict, foreign: bool, index: Any = None, length: int | None = None,
         visible: tuple | None = None,
     ) -> None:
         """Open the scope of a body whose inputs `inner` stand for `outer`: a known
@@ -472,10 +477,10 @@ class HookContext:
         axis fewer inside) runs a stack of layers. `visible`: an enclosed body's
         inputs that stand for the enclosing scope's indices."""
         parent = self.scopes[-1]
-        scope = _Scope(probes, _trace_state(), foreign, index=index, length=length)
+        scope = _Scope(probes, _trace_state(), foreign, length=length, index=index)
         scope.indices = parent.indices if visible is None else tuple(visible)
         scope.lengths = parent.lengths
-        if index is not None:
+        if length is not None:
             scope.indices, scope.lengths = (*scope.indices, index), (*scope.lengths, length)
         outer_nodes, inner_nodes = _positions(outer), _positions(inner)
         if len(outer_nodes) == len(inner_nodes):
@@ -496,7 +501,7 @@ class HookContext:
                     paths = self._leaf_paths(outer_node)
                     if paths:
                         scope.leaves[id(inner_node)] = (paths, inner_node, outer_node)
-                if index is not None and id(inner_node) in scope.leaves and _one_axis_fewer(inner_node, outer_node):
+                if length is not None and id(inner_node) in scope.leaves and _one_axis_fewer(inner_node, outer_node):
                     scope.stacked = True
         self.scopes.append(scope)
 
@@ -587,6 +592,13 @@ def takes_site(fn: Any) -> bool:
     if isinstance(fn, eqx.Module):
         return _takes_site_by_type(type(fn))
     return _takes_site(fn)
+
+
+def needs_indices(fn: Any) -> bool:
+    """Whether a user hook or log reads traced indices of the call site (it takes the
+    site, unless it says otherwise with a `needs_indices` attribute)."""
+    declared = getattr(fn, "needs_indices", None)
+    return declared if isinstance(declared, bool) else takes_site(fn)
 
 
 def call_with_site(fn: Any, value: Any, site: CallSite) -> Any:

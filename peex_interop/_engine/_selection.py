@@ -183,7 +183,7 @@ class Selection:
         """Names and patterns with a number segment: they may name one step of a stack,
         which only the call can tell (checked then)."""
         patterns = [*(self.names or ()), *(c for c in self.where or () if isinstance(c, str))]
-        return [p for p in patterns if any(part.isdigit() for part in p.split("."))]
+        return [p for p in patterns if may_name_a_step(p)]
 
     def validate(self, modules: dict[str, Any], model_name: str) -> None:
         """Every name and pattern must match some layer: a typo must not silently log
@@ -213,6 +213,12 @@ class Selection:
                 raise HookError(f"where= takes {_WHERE_TAKES}; got {criterion!r}")
 
 
+def may_name_a_step(pattern: str) -> bool:
+    """Whether a name or pattern has a number segment, which may be the step of a stack
+    of layers (`blocks.1.attn`) rather than a list index."""
+    return any(part.isdigit() for part in pattern.split("."))
+
+
 def step_path(path: str, roots: Sequence[str], labels: Sequence[str]) -> str:
     """`path` with each label after its stack's root (`blocks.attn` -> `blocks.1.attn`);
     a root that is not a prefix of the path (a library naming the stack's layers
@@ -240,7 +246,7 @@ def _is_prefix(root: str, path: str) -> bool:
 
 def steps_of(pattern: str, segments: list[str | int], lengths: Sequence[int]) -> list[dict[int, int]]:
     """`[{stack level: step}]` if `pattern` matches the step segments segment by segment
-    (a step is a number, or `*` for every step; `**` never names a step), else `[]`."""
+    (a step is named by its number; `*` and `**` never name a step), else `[]`."""
     parts = pattern.split(".")
     if "**" in parts or len(parts) != len(segments):
         return []
@@ -254,8 +260,8 @@ def steps_of(pattern: str, segments: list[str | int], lengths: Sequence[int]) ->
                         f"(steps 0 to {lengths[segment] - 1})"
                     )
                 steps[segment] = int(part)
-            elif part != "*":
-                return []
+            else:
+                return []  # only a number names a step: `blocks.*` stays `blocks`' children
         elif glob_to_regex(part).match(segment) is None:
             return []
     return [steps]

@@ -52,12 +52,17 @@ class _Body:
         self.foreign = [c.in_foreign_trace() for c in self.contexts]
         self.probed: list[set] = [set() for _ in self.contexts]
         self.steps: list[dict] = [{} for _ in self.contexts]
+        # A mapped body reads its index only for hooks that use it (it costs an input
+        # or an axis name); statistics may need the axis name alone.
+        self.needs_indices = any(c.needs_indices for c in self.contexts)
+        self.needs_names = self.needs_indices or any(c.needs_axis_names for c in self.contexts)
 
     def __call__(
-        self, probes: list, inner: Any, args: tuple, kwargs: dict, index: Any = None, length: int = 0,
+        self, probes: list, inner: Any, args: tuple, kwargs: dict, index: Any = None, length: int | None = None,
         visible: list | None = None,
     ):
-        """Run the body; `index`, `length`: a mapped body's traced index and size;
+        """Run the body; `length`: a mapped body's size, `index`: its traced index
+        (`None` where no hook needs it);
         `visible`: an enclosed body's inputs standing for the enclosing indices."""
         visible = visible or [None] * len(self.contexts)
         for context, counts, probe, foreign, seen in zip(self.contexts, self.start, probes, self.foreign, visible):
@@ -166,6 +171,24 @@ def _bind(real: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(_signature(real).bind(*args, **kwargs).arguments)
 
 
+def _mapped_size(in_axes: Any, args: tuple, kwargs: dict, axis_size: int | None) -> int:
+    """The size of a vmap's mapped axis, as JAX reads it from the arguments."""
+    if axis_size is not None:
+        return axis_size
+    sizes = []
+
+    def visit(axis: Any, tree: Any) -> None:
+        if axis is not None:
+            sizes.extend(jnp.shape(leaf)[axis] for leaf in jtu.tree_leaves(tree))
+
+    per_arg = in_axes if isinstance(in_axes, (tuple, list)) else [in_axes] * len(args)
+    for axis, arg in zip(per_arg, args):
+        jtu.tree_map(visit, axis, arg, is_leaf=lambda x: x is None)
+    for arg in kwargs.values():
+        visit(0, arg)
+    return sizes[0] if sizes else 0
+
+
 def _with_leading_axis(in_axes: Any, num_args: int) -> Any:
     if isinstance(in_axes, (tuple, list)):
         return (0, *in_axes)
@@ -183,16 +206,18 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
             if not _context.active():
                 return real_vmap(fun, in_axes, out_axes, **options)(*args, **kwargs)
             body = _Body(fun, (args, kwargs))
-            # The body's index is read through an axis name (the user's, or one of ours).
-            named = {**options, "axis_name": options.get("axis_name") or _AxisName()}
+            length = _mapped_size(in_axes, args, kwargs, options.get("axis_size"))
+            named = options
+            if body.needs_names:
+                # The index is read through an axis name (the user's, or one of ours).
+                # Only then: a new axis name makes JAX retrace every jit inside.
+                named = {**options, "axis_name": options.get("axis_name") or _AxisName()}
 
             def run(probes):
                 def mapped_body(probes, *inner_args, **inner_kwargs):
-                    name = named["axis_name"]
-                    return body(
-                        probes, (inner_args, inner_kwargs), inner_args, inner_kwargs,
-                        jax.lax.axis_index(name), jax.lax.axis_size(name),
-                    )
+                    name = named.get("axis_name")
+                    index = jax.lax.axis_index(name) if body.needs_indices else None
+                    return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs, index, length)
 
                 axes = _with_leading_axis(in_axes, len(args))
                 return _pooling.pooled_vmap(real_vmap, body.contexts)(mapped_body, axes, (out_axes, 0), **named)(
@@ -219,7 +244,7 @@ def threaded_scan(real_scan: Callable) -> Callable:
             if not leaves:
                 return real_scan(*scan_args, **scan_kwargs)  # JAX's own error: no length
             length = leaves[0].shape[0]
-        steps = jnp.arange(length, dtype=jnp.int32)
+        steps = jnp.arange(length, dtype=jnp.int32) if body.needs_indices else None
 
         def run(probes):
             def scan_body(carry, x_probes_step):

@@ -6,7 +6,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._engine._context import CallSite, call_with_site, takes_site
+from .._engine._context import CallSite, call_with_site, needs_indices, takes_site
+from .._engine._selection import may_name_a_step
 
 
 class AbstractHook(eqx.Module):
@@ -64,6 +65,10 @@ class HookMap(AbstractHook):
     def __init__(self, hooks: Mapping[str, Any]):
         self.patterns = tuple(hooks)
         self.hooks = tuple(as_hook(hook) for hook in hooks.values())
+
+    @property
+    def needs_indices(self) -> bool:
+        return any(map(may_name_a_step, self.patterns)) or any(map(needs_indices, self.hooks))
 
     def __call__(self, args: Any, site: CallSite) -> Any:
         out = args

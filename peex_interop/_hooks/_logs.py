@@ -6,8 +6,9 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._engine._context import CallSite, call_with_site, takes_site
+from .._engine._context import CallSite, call_with_site, needs_indices, takes_site
 from .._engine._errors import HookError
+from .._engine._selection import may_name_a_step
 
 
 class AbstractLog(eqx.Module):
@@ -77,6 +78,10 @@ class LogMap(AbstractLog):
     def __init__(self, logs: Mapping[str, Any]):
         self.patterns = tuple(logs)
         self.logs = tuple(as_log(log) for log in logs.values())
+
+    @property
+    def needs_indices(self) -> bool:
+        return any(map(may_name_a_step, self.patterns)) or any(map(needs_indices, self.logs))
 
     def __call__(self, args: Any, site: CallSite) -> Any:
         for pattern, log in zip(self.patterns, self.logs):

@@ -5,6 +5,7 @@ from typing import Any
 
 import equinox as eqx
 
+from .._engine._context import needs_indices
 from .._engine._hooking import check_model
 from .._engine._paths import AbstractTransparent, module_paths, paths_known
 from .._engine._selection import Criterion, Selection, Where
@@ -20,6 +21,20 @@ class AbstractHookWrapper(AbstractTransparent):
     @property
     def selection(self) -> Selection:
         return Selection(self.layer_names, self.where, self.renames)
+
+    def _user_functions(self) -> tuple:
+        names = ("hook_fn", "log_fn", "pre_hook_fn", "pre_log_fn")
+        return tuple(fn for fn in (getattr(self, name, None) for name in names) if fn is not None)
+
+    @property
+    def needs_indices(self) -> bool:
+        """Whether the engine must give mapped bodies' traced indices to the hooks."""
+        return any(needs_indices(fn) for fn in self._user_functions())
+
+    @property
+    def needs_axis_names(self) -> bool:
+        """Whether a log pools over the model's own vmaps by their axis names."""
+        return any(getattr(fn, "needs_axis_names", False) for fn in self._user_functions())
 
 
 def selection_fields(

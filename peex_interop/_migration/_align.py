@@ -61,10 +61,10 @@ def _sites(model: Any, kinds: tuple[str, ...], args: tuple, kwargs: dict) -> lis
     if not rows:
         return []
     shapes = eqx.filter_eval_shape(
-        lambda m: ForwardHook(m, log_fn=IdentityLog(), layer_names=_layers(r.path for r in rows))(*args, **kwargs)[1],
+        lambda m: ForwardHook(m, log_fn=IdentityLog(), layer_names=_layers(r.key for r in rows))(*args, **kwargs)[1],
         model,
     )
-    return [(row.path, (row.kind, _first_array(shapes[row.path]).size)) for row in rows]
+    return [(row.key, (row.kind, _first_array(shapes[row.key]).size)) for row in rows]
 
 
 def align(model_a: Any, model_b: Any, *args: Any, kinds: tuple[str, ...] = DEFAULT_KINDS, **kwargs: Any) -> Alignment:
