@@ -209,3 +209,33 @@ def test_backward_hooks_take_the_site(model):
     deltas = jnp.zeros((STEPS, *tokens().shape, 8))
     cotangents = jax.grad(lambda d: jnp.sum(jnp.sin(manual(model, x, lambda i, a: a + d[i])[0])))(deltas)
     close(grads.log["blocks.attn"], cotangents * (1.0 + jnp.arange(STEPS))[:, None, None])
+
+
+def test_one_step_of_a_linen_scan():
+    nn = pytest.importorskip("flax.linen")
+
+    class Step(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(W, name="lin")(h)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(Step, variable_axes={"params": 0}, split_rngs={"params": True}, length=STEPS)
+            return stack(name="blocks")(x, None)[0]
+
+    x = jnp.asarray([0.3, -0.2, 0.9])
+    variables = Stack().init(jax.random.key(0), x)
+    model = px.from_linen(Stack(), variables)
+    out, log = jitted(px.ForwardHook(model, hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(), where="blocks.1.lin"), x)
+    dense = variables["params"]["blocks"]["lin"]
+    h, logged = x, None
+    for i in range(STEPS):
+        y = h @ dense["kernel"][i] + dense["bias"][i]
+        if i == 1:
+            logged = y = y + 1
+        h = jnp.tanh(y)
+    assert set(log) == {"blocks.1.lin"}
+    close(out, h)
+    close(log["blocks.1.lin"], logged)
