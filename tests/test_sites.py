@@ -246,10 +246,11 @@ class LinenMLP(nn.Module):
     ],
     ids=["nnx", "haiku", "linen", "function"],
 )
-@pytest.mark.parametrize("listing", [px.sites, px.summary])
+@pytest.mark.parametrize("listing", [px.sites, px.summary, px.module_paths])
 def test_a_model_the_library_cannot_hook_is_refused_with_the_conversion_hint(listing, model, hint):
+    arguments = () if listing is px.module_paths else (jnp.ones((1, 3)),)
     with pytest.raises(TypeError, match=rf"{listing.__name__}: .*{type(model).__qualname__}.*{hint}"):
-        listing(model, jnp.ones((1, 3)))
+        listing(model, *arguments)
 
 
 def test_sites_take_shapes_and_keep_no_tracers():

@@ -10,8 +10,8 @@ import jax
 import jax.tree_util as jtu
 
 from .._engine._context import HookContext, Site
-from .._engine._hooking import check_model, hooking
-from .._engine._paths import AbstractConverted
+from .._engine._hooking import hooking
+from .._engine._paths import AbstractConverted, check_model
 from .._engine._selection import Selection
 
 

@@ -4,7 +4,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import equinox as eqx
 import jax
 
 from .._adapters._equinox import class_patches, equinox_kind
@@ -38,16 +37,3 @@ def hooking(
         with _hooking_jit_key(key):
             yield context
     context.check_step_patterns()
-
-
-def check_model(model: Any, wrapper: str) -> None:
-    if isinstance(model, eqx.Module):
-        return
-    raise TypeError(
-        f"{wrapper}: peex_interop wraps an equinox.Module, got {type(model).__module__}."
-        f"{type(model).__qualname__}. Hint: wrap a plain function as "
-        "`eqx.nn.Lambda(fn)`; convert a Haiku model with "
-        "`px.from_haiku(transformed, params, state)`, a Flax NNX module with "
-        "`px.from_nnx(module)`, a Flax linen module with `px.from_linen(module, "
-        "variables)` and a function `f(params, x)` with `px.from_function(f, params)`."
-    )

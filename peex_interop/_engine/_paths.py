@@ -110,7 +110,17 @@ def paths_known(root: Any) -> bool:
 def module_paths(root: Any) -> dict[str, Any]:
     """Dotted path -> module for every layer of `root` (the root itself is `""`),
     including the layers of converted Haiku/NNX models (`None` where the module object
-    only exists during a call)."""
+    only exists during a call).
+
+    **Arguments:**
+
+    - `root`: an `eqx.Module` (models of other libraries converted first).
+
+    **Returns:**
+
+    `{path: module}`, the root first.
+    """
+    check_model(root, "px.module_paths")
     paths = {}
     for path, node in walk(root):
         if isinstance(node, eqx.Module):
@@ -119,3 +129,17 @@ def module_paths(root: Any) -> dict[str, Any]:
             for local, layer in (node.layers() or {}).items():
                 paths.setdefault(join(*path, *local), layer)
     return paths
+
+
+def check_model(model: Any, wrapper: str) -> None:
+    """Refuse anything but an `eqx.Module`, with the way to convert the usual others."""
+    if isinstance(model, eqx.Module):
+        return
+    raise TypeError(
+        f"{wrapper}: peex_interop wraps an equinox.Module, got {type(model).__module__}."
+        f"{type(model).__qualname__}. Hint: wrap a plain function as "
+        "`eqx.nn.Lambda(fn)`; convert a Haiku model with "
+        "`px.from_haiku(transformed, params, state)`, a Flax NNX module with "
+        "`px.from_nnx(module)`, a Flax linen module with `px.from_linen(module, "
+        "variables)` and a function `f(params, x)` with `px.from_function(f, params)`."
+    )

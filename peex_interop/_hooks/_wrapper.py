@@ -6,8 +6,7 @@ from typing import Any
 import equinox as eqx
 
 from .._engine._context import needs_indices
-from .._engine._hooking import check_model
-from .._engine._paths import AbstractTransparent, module_paths, paths_known
+from .._engine._paths import AbstractTransparent, check_model, module_paths, paths_known
 from .._engine._selection import Criterion, Selection, Where
 
 
