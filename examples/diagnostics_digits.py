@@ -34,8 +34,8 @@ class EquinoxCNN(eqx.Module):
             x = jax.nn.relu(self.conv2(x))
             return self.head(jnp.ravel(jnp.transpose(x, (1, 2, 0))))
 
-        # The axis name lets the per-example histograms share the batch's range.
-        return jax.vmap(one, axis_name="batch")(images)
+        # Per example: the statistics of the layers inside are pooled over this vmap.
+        return jax.vmap(one)(images)
 
 
 def haiku_cnn(images):
@@ -57,19 +57,16 @@ class NnxCNN(nnx.Module):
 
 
 def equinox_model(images):
-    # Its layers run per example, under a vmap named "batch": pool their statistics
-    # over the examples.
-    return EquinoxCNN(jax.random.key(0)), "batch"
+    return EquinoxCNN(jax.random.key(0))
 
 
 def haiku_model(images):
     transformed = hk.without_apply_rng(hk.transform(haiku_cnn))
-    return px.from_haiku(transformed, transformed.init(jax.random.key(0), images)), None
+    return px.from_haiku(transformed, transformed.init(jax.random.key(0), images))
 
 
 def nnx_model(images):
-    # NNX layers, like Haiku's, run on the whole batch: statistics are already pooled.
-    return px.from_nnx(NnxCNN(nnx.Rngs(0))), None
+    return px.from_nnx(NnxCNN(nnx.Rngs(0)))
 
 
 MODELS = {"equinox": equinox_model, "haiku": haiku_model, "nnx": nnx_model}
@@ -81,24 +78,25 @@ def data():
     return jnp.asarray(images), jnp.asarray(digits.target)
 
 
-def train(model, axis_name: str | None, images, labels, steps: int, every: int, out: Path):
-    """The training loop shared by all libraries: hooks and recorder included.
-    `axis_name` names the vmap over examples of a model whose layers run per example."""
-    # Statistics of the conv and linear layers, reduced inside the compiled step.
-    stats = px.activation_stats(axis_name=axis_name)
+def train(model, images, labels, steps: int, every: int, out: Path):
+    """The training loop shared by all libraries: hooks and recorder included."""
+    # Statistics of the conv and linear layers, reduced inside the compiled step, one
+    # per layer (pooled over the examples, also where the layers run per example).
+    stats = px.activation_stats()
     hooked = px.ForwardHook(model, log_fn=stats, where=lambda path, m: "conv" in path or "head" in path)
     optimizer = optax.adam(3e-3)
     opt_state = optimizer.init(eqx.filter(hooked, eqx.is_inexact_array))
     recorder = px.Recorder(every=every, tensorboard_dir=out / "tensorboard")
 
     @eqx.filter_jit
-    def step(hooked, opt_state, x, y):
+    def step(hooked, opt_state, x, y, i):
         def loss(hooked):
             logits, log = hooked(x)
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-            return loss, px.pool_stats(log, num_axes=0 if axis_name is None else 1)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), log
 
-        (value, log), grads = eqx.filter_value_and_grad(loss, has_aux=True)(hooked)
+        # One compiled step: the statistics are computed on recorded steps only.
+        with recorder.when_due(i):
+            (value, log), grads = eqx.filter_value_and_grad(loss, has_aux=True)(hooked)
         updates, opt_state = optimizer.update(grads, opt_state)
         return eqx.apply_updates(hooked, updates), opt_state, value, log
 
@@ -106,7 +104,7 @@ def train(model, axis_name: str | None, images, labels, steps: int, every: int, 
     for i in recorder.track(range(steps)):
         key, sub = jax.random.split(key)
         batch = jax.random.choice(sub, len(images), (128,), replace=False)
-        hooked, opt_state, value, log = step(hooked, opt_state, images[batch], labels[batch])
+        hooked, opt_state, value, log = step(hooked, opt_state, images[batch], labels[batch], jnp.asarray(i))
         recorder.record(i, log)
     recorder.close()
     accuracy = float(jnp.mean(jnp.argmax(hooked(images)[0], -1) == labels))
@@ -123,9 +121,9 @@ def main(argv=None):
     for library, make in MODELS.items():
         out = args.out / library
         out.mkdir(parents=True, exist_ok=True)
-        model, axis_name = make(images[:1])
+        model = make(images[:1])
         print(px.summary(model, images[:1]))
-        _, recorder, loss, accuracy = train(model, axis_name, images, labels, args.steps, args.every, out)
+        _, recorder, loss, accuracy = train(model, images, labels, args.steps, args.every, out)
         layer = next(path for path in recorder.records[0] if "conv1" in path)
         recorder.plot_layer_stats(layer, out / "layer_stats.png")
         recorder.color_dim(layer, out / "color_dim.png")

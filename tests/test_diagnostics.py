@@ -95,22 +95,82 @@ def test_histogram_edges_in_the_data_range_match_numpy_exactly():
     np.testing.assert_array_equal(histogram.counts, np.histogram(x, 40)[0])
 
 
-def test_stats_log_combines_and_works_inside_scan_and_vmap():
+def assert_stats_of(stats, x):
+    """`stats` (of `px.activation_stats()`) are those of all the values `x`."""
+    x = np.asarray(x)
+    np.testing.assert_allclose(stats["mean"], np.mean(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["std"], np.std(x), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(stats["near_zero"], np.mean(x <= 0.05), rtol=1e-6)
+    # The range of all the values; counted exactly against the edges logged.
+    edges = np.asarray(stats["hist"].edges)
+    np.testing.assert_allclose(edges, np.histogram(x, 40)[1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(stats["hist"].counts, np.histogram(x, edges)[0])
+
+
+def at(stats, index):
+    return jtu.tree_map(lambda field: field[index], stats)
+
+
+def test_stats_pool_the_vmaps_inside_the_model_and_keep_the_scanned_layers():
+    # Equinox's own vmaps (eqx.nn.MultiheadAttention over positions), the model's
+    # jax.vmap over positions, inside a scan over a stack of 3 blocks.
     model = transformer()
-    stats = px.activation_stats()
-    _, log = eqx.filter_jit(lambda h, t: h(t))(px.ForwardHook(model, log_fn=stats), tokens())
-    _, raw = px.ForwardHook(model, log_fn=px.IdentityLog())(tokens())
-    assert set(log["blocks.norm1"]) == {"mean", "std", "near_zero", "hist"}
-    # norm1 runs per position (vmap) in each scanned layer: one statistic per both.
-    assert log["blocks.norm1"]["hist"].counts.shape == (3, 5, 40)
-    for layer in range(3):
-        for position in range(5):
-            x = np.asarray(raw["blocks.norm1"][layer, position])
-            np.testing.assert_allclose(log["blocks.norm1"]["mean"][layer, position], np.mean(x), atol=1e-6)
-            np.testing.assert_allclose(log["blocks.norm1"]["std"][layer, position], np.std(x), rtol=1e-5)
-            hist = jtu.tree_map(lambda field: field[layer, position], log["blocks.norm1"]["hist"])
-            np.testing.assert_array_equal(hist.counts, np.histogram(x, 40)[0])
-            np.testing.assert_array_equal(hist.edges, np.histogram(x, 40)[1])
+    call = eqx.filter_jit(lambda h, t: h(t))
+    _, log = call(px.ForwardHook(model, log_fn=px.activation_stats()), tokens())
+    _, raw = call(px.ForwardHook(model, log_fn=px.IdentityLog()), tokens())
+    assert set(log) == set(raw) and set(log["blocks.norm1"]) == {"mean", "std", "near_zero", "hist"}
+    assert log["blocks.attn.query_proj"]["hist"].counts.shape == (3, 40)  # one per layer
+    for path, values in raw.items():
+        if not path.startswith("blocks"):
+            assert_stats_of(log[path], values)
+            continue
+        for layer in range(3):  # the scan's steps are different layers: kept apart
+            assert_stats_of(at(log[path], layer), values[layer])
+    # pool=False keeps one statistic per position, each histogram over its own range.
+    _, per_position = call(px.ForwardHook(model, log_fn=px.activation_stats(pool=False)), tokens())
+    assert per_position["blocks.norm1"]["hist"].counts.shape == (3, 5, 40)
+    for position in range(5):
+        assert_stats_of(at(per_position["blocks.norm1"], (1, position)), raw["blocks.norm1"][1, position])
+
+
+def test_stats_pool_the_vmaps_inside_a_converted_haiku_model():
+    def rows(x):  # hk.vmap over the rows inside the model
+        return hk.vmap(lambda r: jnp.tanh(hk.Linear(5, name="rows")(r)), split_rng=False)(x)
+
+    transformed = hk.transform(rows)
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    model = px.from_haiku(transformed, transformed.init(jax.random.key(0), x))
+    call = eqx.filter_jit(lambda h, x: h(x))
+    _, log = call(px.ForwardHook(model, log_fn=px.activation_stats()), x)
+    _, raw = call(px.ForwardHook(model, log_fn=px.IdentityLog()), x)
+    assert raw["rows"].shape == (4, 5) and log["rows"]["hist"].counts.shape == (40,)
+    assert_stats_of(log["rows"], raw["rows"])
+
+
+def stats_bytes(log):
+    return sum(np.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jtu.tree_leaves(log))
+
+
+def test_statistics_size_is_independent_of_batch_and_sequence_length():
+    # Equinox: per example under a vmap of ours, pooled with px.pool_stats; Haiku: batched.
+    equinox = px.ForwardHook(transformer(), log_fn=px.activation_stats(axis_name="batch"))
+
+    def equinox_log(batch, seq):
+        xs = jnp.zeros((batch, seq), jnp.int32)
+        _, log = jax.vmap(equinox, axis_name="batch")(xs)
+        return px.pool_stats(log)
+
+    t = hk.transform(mha_fn)
+    converted = px.from_haiku(t, t.init(jax.random.key(0), jnp.zeros((2, 3, 6))))
+    haiku = px.ForwardHook(converted, log_fn=px.activation_stats())
+    haiku_log = lambda batch, seq: haiku(jnp.zeros((batch, seq, 6)))[1]
+    for log_of in (equinox_log, haiku_log):
+        sizes = {stats_bytes(eqx.filter_eval_shape(log_of, batch, seq)) for batch in (2, 4) for seq in (3, 5)}
+        assert len(sizes) == 1, sizes
+
+
+def mha_fn(x):
+    return hk.MultiHeadAttention(num_heads=2, key_size=4, w_init=hk.initializers.VarianceScaling())(x, x, x)
 
 
 def test_backward_statistics():
@@ -426,3 +486,41 @@ def test_histogram_matches_numpy_at_bin_edges(bins, value_range):
     np.testing.assert_array_equal(got.edges, edges)
     np.testing.assert_array_equal(got.counts, np.histogram(values, bins, (low, high))[0])
     assert (got.below, got.above) == (np.sum(values < low), np.sum(values > high))
+
+
+def test_recorder_when_due_computes_statistics_of_due_steps_in_one_compiled_step():
+    model = transformer()
+    hooked = px.ForwardHook(model, log_fn=px.activation_stats(axis_name="batch"))
+    recorder = px.Recorder(every=3)
+    traces = []
+
+    @eqx.filter_jit
+    def step(hooked, xs, i):
+        traces.append(i)
+        with recorder.when_due(i):
+            _, log = jax.vmap(hooked, axis_name="batch")(xs)
+        return px.pool_stats(log)
+
+    batches = [jnp.asarray(np.random.default_rng(i).integers(0, 11, (2, 5), np.int32)) for i in range(7)]
+    logs = []
+    for i, xs in enumerate(batches):
+        logs.append(step(hooked, xs, jnp.asarray(i)))
+        assert recorder.record(i, logs[-1]) == (i % 3 == 0)
+    assert len(traces) == 1 and recorder.steps == [0, 3, 6]
+    direct = eqx.filter_jit(lambda h, xs: px.pool_stats(jax.vmap(h, axis_name="batch")(xs)[1]))
+    for record, i in zip(recorder.records, recorder.steps):
+        want = direct(hooked, batches[i])
+        assert jtu.tree_structure(record) == jtu.tree_structure(want)
+        for got, expected in zip(jtu.tree_leaves(record), jtu.tree_leaves(want)):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    # Other steps skip the work: zeros (no NaN), which record() ignores.
+    assert all(not np.any(leaf) for leaf in jtu.tree_leaves(logs[1]))
+
+
+def test_pool_stats_and_stats_log_refuse_what_does_not_pool():
+    with pytest.raises(ValueError, match=r"layer 'layer' have 0 leading axes"):
+        px.pool_stats({"layer": px.activation_stats()(jnp.ones(3))})
+    with pytest.raises(ValueError, match=r"layer 'layer'.*plain arrays"):
+        px.pool_stats({"layer": {"mean": jnp.ones(4)}})
+    with pytest.raises(TypeError, match="IdentityLog"):
+        px.StatsLog({"raw": px.IdentityLog()})

@@ -4,7 +4,8 @@ The statistics are computed inside the compiled step (see `px.activation_stats`)
 recorder only fetches the step's log every `every` steps and keeps it on the host.
 """
 
-from collections.abc import Iterable, Iterator
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,23 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._optional import needs
-from ._stats import Histogram, _is_histogram
+from ._stats import Histogram, computed_when
 from ._table import AbstractTabular, Table
 
 
 def _tag(key_path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in key_path)
+
+
+def _named(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """`(tag, value)` of every array and every `px.Histogram` in a record, named by
+    the keys users read them by (a `px.Stats` by its statistics' names)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _named(item, f"{prefix}/{key}" if prefix else str(key))
+        return
+    for key_path, leaf in jtu.tree_flatten_with_path(value, is_leaf=lambda v: isinstance(v, Histogram))[0]:
+        yield "/".join(filter(None, (prefix, _tag(key_path)))), leaf
 
 
 def _outside_share(histogram: Histogram) -> float:
@@ -38,8 +50,7 @@ def _cell(value: Any) -> str:
 def _write_events(writer: Any, step: int, host: dict[str, Any]) -> None:
     """Every scalar as a TensorBoard scalar; every histogram of one layer (pooled) as a
     TensorBoard histogram, with the share of its values outside the bins as a scalar."""
-    for key_path, value in jtu.tree_flatten_with_path(host, is_leaf=_is_histogram)[0]:
-        tag = _tag(key_path)
+    for tag, value in _named(host):
         if isinstance(value, Histogram) and np.ndim(value.low) == 0:
             counts, edges = np.asarray(value.counts), np.asarray(value.edges, np.float64)
             centres = (edges[1:] + edges[:-1]) / 2
@@ -100,6 +111,24 @@ class Recorder(AbstractTabular):
         as a static flag to skip computing statistics on the other steps."""
         return step % self.every == 0
 
+    def when_due(self, step: Any) -> contextlib.AbstractContextManager[None]:
+        """Inside a compiled step, compute the statistics only on due steps: the
+        statistics logs (`px.StatsLog`, `px.activation_stats`, `px.HistogramLog`, ...)
+        called inside the block run under `jax.lax.cond(step % every == 0, ...)` and log
+        zeros on the other steps, which `record` ignores. One compiled step serves
+        every step: pass `step` as an array (`jnp.asarray(i)`), not a Python int
+        (static under `eqx.filter_jit`, so one compilation per step).
+
+        **Arguments:**
+
+        - `step`: the step number, counted from 0 (an integer array, traced).
+
+        **Returns:**
+
+        A context manager.
+        """
+        return computed_when(self.due(step))
+
     def record(self, step: int, log: dict[str, Any]) -> bool:
         """Keep `log` (fetched to the host) if `step` is due.
 
@@ -141,7 +170,7 @@ class Recorder(AbstractTabular):
         if path not in self.records[0]:
             raise KeyError(f"no layer {path!r} in the records; recorded: {sorted(self.records[0])}")
         value = self.records[0][path]
-        if not isinstance(value, dict) or statistic not in value:
+        if not isinstance(value, Mapping) or statistic not in value:
             raise KeyError(
                 f"layer {path!r} has no {statistic!r} statistic: log it with "
                 "px.activation_stats() (or a px.StatsLog with that key)"
@@ -208,10 +237,10 @@ class Recorder(AbstractTabular):
             return Table(("layer",), (), "nothing recorded yet")
         last = self.records[-1]
         # The statistics in the order they were logged (dict.fromkeys keeps it).
-        names = list(dict.fromkeys(name for value in last.values() if isinstance(value, dict) for name in value))
+        names = list(dict.fromkeys(name for value in last.values() if isinstance(value, Mapping) for name in value))
         rows = tuple(
             (path, *(_cell(value[name]) if name in value else "" for name in names))
-            if isinstance(value, dict) else (path, _cell(value), *[""] * (len(names) - 1))
+            if isinstance(value, Mapping) else (path, _cell(value), *[""] * (len(names) - 1))
             for path, value in last.items()
         )
         caption = (

@@ -2,18 +2,37 @@
 
 Each log maps every floating-point array leaf of what it receives to a statistic, so it
 works on layers with several outputs; non-float leaves (ints, keys) are not logged.
+
+Inside a `px.StatsLog` (and `px.activation_stats`) every statistic is kept in a form that
+pools exactly (`AbstractPooled`): a mean, a mean with a variance, a maximum, a norm, a
+histogram. So the vmaps a model runs inside itself pool them (see `_engine/_pooling.py`)
+and `px.pool_stats` pools the vmap around the model, and the log keeps one statistic per
+layer whatever the batch and sequence length.
 """
 
-from collections.abc import Hashable
+import contextlib
+import functools
+from abc import abstractmethod
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jax.custom_batching import custom_vmap
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from .._engine._context import ThreadStack, zeros_like
+from .._engine._pooling import AbstractPooled, is_pooled, mapped_axes, pool_log, pool_values
 from .._hooks._logs import AbstractLog, MeanLog
+
+# Bound before hooking patches `jax.lax.cond` and `jax.eval_shape`: skipping a statistic
+# is no model transform, with no layer inside to thread logs out of.
+_real_cond = lax.cond
+_real_eval_shape = jax.eval_shape
 
 
 def _leafwise(statistic, value: Any) -> Any:
@@ -22,24 +41,169 @@ def _leafwise(statistic, value: Any) -> Any:
     )
 
 
-class StdLog(AbstractLog):
-    """Standard deviation of every float leaf."""
+def _moments(x: Any) -> tuple[Any, Any]:
+    """Mean and variance in one pass over `x` (one fused reduction of the sums of the
+    values and of their squares), shifted by one of the values so that a mean large
+    against the spread does not cancel the variance away; summed in float32 at least."""
+    if x.size == 0:
+        return jnp.full((), jnp.nan, x.dtype), jnp.full((), jnp.nan, x.dtype)
+    total = jnp.promote_types(x.dtype, jnp.float32)
+    shift = lax.stop_gradient(jnp.ravel(x)[0]).astype(total)
+    centred = x.astype(total) - shift
+    mean = jnp.sum(centred) / x.size
+    var = jnp.maximum(jnp.sum(centred * centred) / x.size - mean**2, 0)
+    return (mean + shift).astype(x.dtype), var.astype(x.dtype)
+
+
+# -- statistics of one array, as they pool ---------------------------------------------
+class _Statistic(AbstractPooled):
+    """One statistic of one array, kept in the form that pools; `value` is what users
+    read. Always pooled with the `Stats` that holds it."""
+
+    @property
+    def pool_mapped(self) -> bool:
+        return True
+
+    @property
+    @abstractmethod
+    def value(self) -> Any:
+        pass
+
+
+class _Average(_Statistic):
+    """A mean or a fraction: the mean of the groups'."""
+
+    average: Float[Array, "*batch"]
+
+    @property
+    def value(self) -> Float[Array, "*batch"]:
+        return self.average
+
+    def pool(self, where: str) -> "_Average":
+        return _Average(jnp.mean(self.average, axis=0))
+
+
+class _Spread(_Statistic):
+    """A standard deviation, kept as mean and variance: the pooled variance is the mean
+    of the groups' variances plus the variance of their means (equal-sized groups)."""
+
+    mean: Float[Array, "*batch"]
+    var: Float[Array, "*batch"]
+
+    @property
+    def value(self) -> Any:
+        # Records fetched to the host hold numpy arrays: they stay on the host.
+        return (jnp if isinstance(self.var, jax.Array) else np).sqrt(self.var)
+
+    def pool(self, where: str) -> "_Spread":
+        mean = jnp.mean(self.mean, axis=0)
+        return _Spread(mean, jnp.mean(self.var, axis=0) + jnp.mean((self.mean - mean) ** 2, axis=0))
+
+
+class _Max(_Statistic):
+    max: Float[Array, "*batch"]
+
+    @property
+    def value(self) -> Float[Array, "*batch"]:
+        return self.max
+
+    def pool(self, where: str) -> "_Max":
+        return _Max(jnp.max(self.max, axis=0))
+
+
+class _Norm(_Statistic):
+    norm: Float[Array, "*batch"]
+
+    @property
+    def value(self) -> Float[Array, "*batch"]:
+        return self.norm
+
+    def pool(self, where: str) -> "_Norm":
+        return _Norm(jnp.sqrt(jnp.sum(self.norm**2, axis=0)))
+
+
+# -- skipping the work on steps that are not recorded -------------------------------------
+_due = ThreadStack()
+
+
+@contextlib.contextmanager
+def computed_when(due: bool | Bool[ArrayLike, ""]) -> Iterator[None]:
+    """Statistics logs called inside the block compute only when `due` (a traced
+    boolean inside a compiled step: under `jax.lax.cond`); otherwise they log zeros of
+    the same structure. What `px.Recorder.when_due` uses."""
+    _due.items.append(due)
+    try:
+        yield
+    finally:
+        _due.items.pop()
+
+
+def _when_due(statistics: Callable[[Any], Any], args: Any) -> Any:
+    if not _due.items:
+        return statistics(args)
+    due = _due.items[-1]
+
+    # A closure: JAX hashes the functions it traces, and logs (with dict fields) are
+    # not hashable.
+    def compute(args):
+        return statistics(args)
+
+    def skip(args):
+        return zeros_like(_real_eval_shape(compute, args))
+
+    if isinstance(due, bool):
+        return compute(args) if due else skip(args)
+    return _real_cond(due, compute, skip, args)
+
+
+class _AbstractStatisticLog(AbstractLog):
+    """A log of one statistic of every float leaf, which `px.StatsLog` pools exactly
+    over mapped axes. Used alone it logs the plain values (arrays stack under vmaps like
+    any log's)."""
+
+    @abstractmethod
+    def statistic(self, x: Array) -> Any:
+        """The statistic of one array, in the form that pools: an `AbstractPooled`
+        whose `value` is what the log shows."""
 
     def __call__(self, args: Any) -> Any:
-        return _leafwise(jnp.std, args)
+        return _when_due(lambda a: _leafwise(lambda x: self.statistic(x).value, a), args)
 
 
-class NearZeroLog(AbstractLog):
+class StdLog(_AbstractStatisticLog):
+    """Standard deviation of every float leaf."""
+
+    def statistic(self, x: Array) -> _Spread:
+        return _Spread(*_moments(x))
+
+
+class NearZeroLog(_AbstractStatisticLog):
     """Fraction of values `<= threshold` (fastai's `near_zero`: after a ReLU, the share of
     (nearly) dead activations)."""
 
     threshold: float = 0.05
 
-    def __call__(self, args: Any) -> Any:
-        return _leafwise(lambda x: jnp.mean(x <= self.threshold), args)
+    def statistic(self, x: Array) -> _Average:
+        fraction = jnp.mean(x <= self.threshold, dtype=jnp.promote_types(x.dtype, jnp.float32))
+        return _Average(fraction.astype(x.dtype))
 
 
-class Histogram(eqx.Module):
+class AbsMaxLog(_AbstractStatisticLog):
+    """Largest absolute value of every float leaf."""
+
+    def statistic(self, x: Array) -> _Max:
+        return _Max(jnp.max(jnp.abs(x)))
+
+
+class L2NormLog(_AbstractStatisticLog):
+    """Euclidean norm of every float leaf (all axes together)."""
+
+    def statistic(self, x: Array) -> _Norm:
+        return _Norm(jnp.linalg.norm(jnp.ravel(x)))
+
+
+# -- histograms ---------------------------------------------------------------------------
+class Histogram(AbstractPooled):
     """What `px.HistogramLog` logs for one array: counts in equal bins from `low` to
     `high` and every value outside them counted, so that
     `counts.sum() + below + above + nan` is the number of values (`total`).
@@ -54,8 +218,11 @@ class Histogram(eqx.Module):
     - `below`, `above`: the number of values below `low` and above `high` (`-inf`, `inf`
         included).
     - `nan`: the number of NaNs.
+    - `pool_mapped`: whether vmaps inside the model pool it (`px.HistogramLog`'s
+        `pool`).
 
-    Logged under `jax.vmap` or `jax.lax.scan`, every field gains the leading axes.
+    Logged under `jax.lax.scan` (or a vmap with `pool=False`), every field gains the
+    leading axes.
     """
 
     counts: Int[Array, "*batch bins"]
@@ -63,6 +230,7 @@ class Histogram(eqx.Module):
     below: Int[Array, "*batch"]
     above: Int[Array, "*batch"]
     nan: Int[Array, "*batch"]
+    pool_mapped: bool = eqx.field(static=True, default=True)
 
     @property
     def low(self) -> Float[Array, "*batch"]:
@@ -84,8 +252,31 @@ class Histogram(eqx.Module):
         """The number of values."""
         return self.counts.sum(axis=-1) + self.outside
 
+    @property
+    def value(self) -> "Histogram":
+        return self
 
-def _linspace(low: Any, high: Any, bins: int) -> Any:
+    def pool(self, where: str) -> "Histogram":
+        """Add the counts of histograms stacked along a leading axis; raises (at run
+        time, inside jit too) if their bins differ, rather than add counts of
+        different bins."""
+        edges = self.edges[0]
+        counts = eqx.error_if(
+            jnp.sum(self.counts, axis=0),
+            jnp.any(self.edges != edges),
+            f"px.pool_stats: the histograms of layer {where!r} have different bins (each "
+            "example's range follows its own values), so their counts cannot be added. Give "
+            "px.HistogramLog / px.activation_stats an explicit range=(low, high), or vmap with "
+            "axis_name='batch' and pass axis_name='batch' to it so that all examples share one range.",
+        )
+        below, above, nan = (jnp.sum(field, axis=0) for field in (self.below, self.above, self.nan))
+        return Histogram(counts, edges, below, above, nan, self.pool_mapped)
+
+
+def _edges(index: Any, low: Any, high: Any, bins: int) -> Any:
+    """The edges `index` (integers from 0 to `bins`) of `bins` equal bins from `low` to
+    `high`, computed elementwise: no gather from a table of edges, which is slow under
+    vmap on CPU; the same operations give the same bits for any shape of `index`."""
     # numpy.linspace's arithmetic in the range's precision, so that on CPU the edges are
     # numpy's to the bit. jnp.linspace rounds differently, and XLA would turn a division
     # by a constant (or a broadcast scalar, under vmap) into a multiplication by its
@@ -97,16 +288,37 @@ def _linspace(low: Any, high: Any, bins: int) -> Any:
     # every backend.)
     delta = high - low
     step = delta / lax.optimization_barrier(delta - delta + bins)
-    edges = lax.optimization_barrier(jnp.arange(bins + 1, dtype=low.dtype) * step) + low
-    return edges.at[-1].set(high)
+    return jnp.where(index == bins, high, lax.optimization_barrier(index.astype(low.dtype) * step) + low)
 
 
-def _finite_range(x: Any, axis_name: Hashable | None) -> tuple[Any, Any]:
+@functools.cache
+def _counter(bins: int) -> Callable[[Any], Any]:
+    """`bincount(index, length=bins + 1)[:bins]` (index `bins`: in no bin), whose vmap
+    counts all the examples with one bincount of offset indices: vmapped, bincount
+    becomes a scatter with batch dimensions, several times slower on CPU."""
+
+    @custom_vmap
+    def count(index):
+        return jnp.bincount(index, length=bins + 1)[:bins]
+
+    @count.def_vmap
+    def count_mapped(axis_size, in_batched, index):
+        if not in_batched[0]:
+            return count(index), False
+        offsets = jnp.arange(axis_size, dtype=index.dtype).reshape(-1, *([1] * (index.ndim - 1)))
+        flat = jnp.ravel(index + offsets * (bins + 1))
+        counts = jnp.bincount(flat, length=axis_size * (bins + 1)).reshape(axis_size, bins + 1)
+        return counts[:, :bins], True
+
+    return count
+
+
+def _finite_range(x: Any, axis_names: tuple[Hashable, ...]) -> tuple[Any, Any]:
     finite = jnp.isfinite(x)
     low = jnp.min(jnp.where(finite, x, jnp.inf))
     high = jnp.max(jnp.where(finite, x, -jnp.inf))
-    if axis_name is not None:
-        low, high = lax.pmin(low, axis_name), lax.pmax(high, axis_name)
+    if axis_names:
+        low, high = lax.pmin(low, axis_names), lax.pmax(high, axis_names)
     # numpy.histogram's conventions: a single value gets a range of width 1 around it;
     # with no finite value at all (numpy raises) the bins are (0, 1) and stay empty.
     low, high = jnp.where(low == high, low - 0.5, low), jnp.where(low == high, high + 0.5, high)
@@ -114,14 +326,15 @@ def _finite_range(x: Any, axis_name: Hashable | None) -> tuple[Any, Any]:
     return jnp.where(none, 0, low).astype(x.dtype), jnp.where(none, 1, high).astype(x.dtype)
 
 
-class HistogramLog(AbstractLog):
+class HistogramLog(_AbstractStatisticLog):
     """Histogram of every float leaf in `bins` equal bins, as `numpy.histogram`, logged
     as a `px.Histogram`: no value is ever dropped, those outside the bins are counted.
 
     Without `range`, the bins span the finite values of each call (their min and max,
-    like `numpy.histogram`; `-inf` and `inf` count as below and above). Histograms of
-    different calls then have different bins: `px.pool_stats` adds histograms only when
-    their bins agree, so for per-example layers under `jax.vmap` give the vmap an
+    like `numpy.histogram`; `-inf` and `inf` count as below and above), shared over the
+    vmaps inside the model, which pool the histograms. Histograms of different calls
+    then have different bins: `px.pool_stats` adds histograms only when their bins
+    agree, so for per-example models under a `jax.vmap` of your own give the vmap an
     `axis_name` and pass it here, so that all examples share one range (as
     `eqx.nn.BatchNorm` shares its statistics), or give an explicit `range`.
 
@@ -133,65 +346,134 @@ class HistogramLog(AbstractLog):
     - `bins`: the number of equal bins (fixed, so the log has a fixed shape under jit).
     - `range`: `(low, high)` of the bins; values outside are counted as below or above.
         Default: the finite min and max of each call's values (of the whole vmapped
-        batch with `axis_name`).
-    - `axis_name`: the name of a `jax.vmap` axis (or a tuple of names) over which every
-        example shares the data's range.
+        batch with `axis_name`, and of all elements of the vmaps inside the model).
+    - `axis_name`: the name of a `jax.vmap` axis (or a tuple of names) around the
+        model over which every example shares the data's range.
+    - `pool`: pool over the vmaps inside the model (default); False keeps one histogram
+        per mapped element (each with its own range, unless `range` or `axis_name`).
     """
 
     bins: int = eqx.field(static=True, default=40)
     range: tuple[float, float] | None = eqx.field(static=True, default=None)
     axis_name: Hashable | None = eqx.field(static=True, default=None)
+    pool: bool = eqx.field(static=True, default=True)
 
     def __check_init__(self):
         if self.range is not None and not self.range[0] < self.range[1]:
             raise ValueError(f"HistogramLog needs range=(low, high) with low < high, got {self.range}")
 
-    def __call__(self, args: Any) -> Any:
-        return _leafwise(self._histogram, args)
+    @property
+    def needs_axis_names(self) -> bool:
+        """Whether the engine must name the vmaps inside the model: to pool, the
+        histograms share the data's range over them."""
+        return self.pool and self.range is None
 
-    def _histogram(self, x: Any) -> Histogram:
+    def statistic(self, x: Array) -> Histogram:
         # Counts have no gradient; this also keeps pmin/pmax (no differentiation rule)
         # usable inside a loss that is differentiated.
         x = jnp.ravel(lax.stop_gradient(x))
         if self.range is None:
-            low, high = _finite_range(x, self.axis_name)
+            names = tuple(dict.fromkeys(self._axis_names() + (mapped_axes() if self.pool else ())))
+            low, high = _finite_range(x, names)
         else:
             low, high = (jnp.asarray(end, x.dtype) for end in self.range)
-        edges = _linspace(low, high, self.bins)
+        edge = functools.partial(_edges, low=low, high=high, bins=self.bins)
         # jnp.histogram lowers to a binary search plus a scatter-add; computing the bin
         # directly and counting with bincount is ~2x faster on CPU. The two corrections
         # reproduce numpy's handling of values that rounding puts in a neighbour bin.
         index = jnp.clip(jnp.floor((x - low) / (high - low) * self.bins).astype(jnp.int32), 0, self.bins - 1)
-        index = index - (x < edges[index])
-        index = index + ((x >= edges[index + 1]) & (index != self.bins - 1))
+        index = index - (x < edge(index))
+        index = index + ((x >= edge(index + 1)) & (index != self.bins - 1))
         inside = (x >= low) & (x <= high)
-        counts = jnp.bincount(jnp.where(inside, index, self.bins), length=self.bins + 1)[: self.bins]
+        counts = _counter(self.bins)(jnp.where(inside, index, self.bins))
         below, above, nan = (jnp.sum(mask, dtype=counts.dtype) for mask in (x < low, x > high, jnp.isnan(x)))
-        return Histogram(counts, edges, below, above, nan)
+        return Histogram(counts, edge(jnp.arange(self.bins + 1)), below, above, nan, self.pool)
+
+    def _axis_names(self) -> tuple[Hashable, ...]:
+        if self.axis_name is None:
+            return ()
+        return self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
 
 
-class AbsMaxLog(AbstractLog):
-    """Largest absolute value of every float leaf."""
+# -- several statistics in one ------------------------------------------------------------
+class Stats(AbstractPooled, Mapping):
+    """What `px.StatsLog` logs for one layer: a mapping from each statistic's name to
+    its value (an array per float leaf, or a `px.Histogram`), as `stats["mean"]`.
 
-    def __call__(self, args: Any) -> Any:
-        return _leafwise(lambda x: jnp.max(jnp.abs(x)), args)
+    The statistics are kept in a form that pools exactly, so that the vmaps inside the
+    model pool them (unless `pool_mapped` is False) and `px.pool_stats` pools the vmap
+    around it. Logged under `jax.lax.scan` every value gains the leading axis.
+
+    **Fields:**
+
+    - `statistics`: each statistic in its pooling form (read them by name instead).
+    - `pool_mapped`: whether vmaps inside the model pool it (`px.StatsLog`'s `pool`).
+    """
+
+    statistics: dict[str, Any]
+    pool_mapped: bool = eqx.field(static=True, default=True)
+
+    def __getitem__(self, name: str) -> Any:
+        return jtu.tree_map(lambda s: s.value, self.statistics[name], is_leaf=is_pooled)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.statistics)
+
+    def __len__(self) -> int:
+        return len(self.statistics)
+
+    def pool(self, where: str) -> "Stats":
+        return Stats(pool_values(self.statistics, where), self.pool_mapped)
 
 
-class L2NormLog(AbstractLog):
-    """Euclidean norm of every float leaf (all axes together)."""
-
-    def __call__(self, args: Any) -> Any:
-        return _leafwise(jnp.linalg.norm, args)
+def _pooling_form(log: AbstractLog):
+    if isinstance(log, _AbstractStatisticLog):
+        return log.statistic
+    if isinstance(log, MeanLog):
+        # The mean of the same pass as StdLog's (XLA computes it once for both).
+        return lambda x: _Average(_moments(x)[0])
+    raise TypeError(
+        f"px.StatsLog pools its statistics exactly over mapped axes, which {type(log).__name__} "
+        "does not say how to do: use px.MeanLog, px.StdLog, px.NearZeroLog, px.AbsMaxLog, "
+        "px.L2NormLog or px.HistogramLog, and log anything else with a hook of its own."
+    )
 
 
 class StatsLog(AbstractLog):
-    """Several logs in one: `StatsLog({"mean": px.MeanLog(), "max": px.AbsMaxLog()})`
-    logs `{"mean": ..., "max": ...}` for every layer."""
+    """Several statistics in one: `StatsLog({"mean": px.MeanLog(), "max": px.AbsMaxLog()})`
+    logs a `px.Stats` for every layer, read as `log[layer]["mean"]`, `log[layer]["max"]`.
+
+    Its statistics pool exactly over the vmaps inside the model (Equinox's own, as in
+    `eqx.nn.MultiheadAttention`, or yours), so that the log has one value per layer (per
+    step of a scanned stack) whatever the batch and sequence length; `px.pool_stats`
+    pools a vmap around the model.
+
+    **Arguments:**
+
+    - `logs`: name -> statistic log (`px.MeanLog`, `px.StdLog`, `px.NearZeroLog`,
+        `px.AbsMaxLog`, `px.L2NormLog`, `px.HistogramLog`).
+    - `pool`: pool over the vmaps inside the model (default); False keeps one value per
+        example or position there.
+    """
 
     logs: dict[str, AbstractLog]
+    pool: bool = eqx.field(static=True, default=True)
 
-    def __call__(self, args: Any) -> dict[str, Any]:
-        return {name: log(args) for name, log in self.logs.items()}
+    def __check_init__(self):
+        for log in self.logs.values():
+            _pooling_form(log)
+
+    @property
+    def needs_axis_names(self) -> bool:
+        """Whether the engine must name the vmaps inside the model (for a histogram)."""
+        return any(getattr(log, "needs_axis_names", False) for log in self.logs.values())
+
+    def __call__(self, args: Any) -> Stats:
+        return _when_due(self._stats, args)
+
+    def _stats(self, args: Any) -> Stats:
+        forms = {name: _pooling_form(log) for name, log in self.logs.items()}
+        return Stats({name: _leafwise(form, args) for name, form in forms.items()}, self.pool)
 
 
 def activation_stats(
@@ -199,6 +481,7 @@ def activation_stats(
     bins: int = 40,
     range: tuple[float, float] | None = None,
     axis_name: Hashable | None = None,
+    pool: bool = True,
 ) -> StatsLog:
     """fastai's `ActivationStats` statistics: mean, std, near-zero fraction, histogram.
 
@@ -208,6 +491,8 @@ def activation_stats(
     - `bins`, `range`, `axis_name`: the histogram's, as for `px.HistogramLog` (fastai
         uses 40 bins over `(0, 10)`, which suits activations after a ReLU; by default the
         range follows the data).
+    - `pool`: pool over the vmaps inside the model (default: one value per layer);
+        False keeps one value per example or position there.
 
     **Returns:**
 
@@ -218,67 +503,49 @@ def activation_stats(
             "mean": MeanLog(),
             "std": StdLog(),
             "near_zero": NearZeroLog(near_zero),
-            "hist": HistogramLog(bins, range, axis_name),
-        }
+            "hist": HistogramLog(bins, range, axis_name, pool),
+        },
+        pool,
     )
-
-
-def _is_histogram(value: Any) -> bool:
-    return isinstance(value, Histogram)
-
-
-def _pool_histogram(path: str, histogram: Histogram, axes: tuple[int, ...]) -> Histogram:
-    edges = histogram.edges[(0,) * len(axes)]
-    counts = eqx.error_if(
-        jnp.sum(histogram.counts, axes),
-        jnp.any(histogram.edges != edges),
-        f"px.pool_stats: the histograms of layer {path!r} have different bins (each example's "
-        "range follows its own values), so their counts cannot be added. Give "
-        "px.HistogramLog / px.activation_stats an explicit range=(low, high), or vmap with "
-        "axis_name='batch' and pass axis_name='batch' to it so that all examples share one range.",
-    )
-    below, above, nan = (jnp.sum(field, axes) for field in (histogram.below, histogram.above, histogram.nan))
-    return Histogram(counts, edges, below, above, nan)
-
-
-def _pool(path: str, name: str, values: dict[str, Any], axes: tuple[int, ...]) -> Any:
-    value = values[name]
-    if name == "hist":
-        return jtu.tree_map(lambda h: _pool_histogram(path, h, axes), value, is_leaf=_is_histogram)
-    if name == "std":
-        # Equal-sized groups: pooled variance = mean(var_i + mean_i**2) - mean**2.
-        def pooled_std(std, mean):
-            second_moment = jnp.mean(std**2 + mean**2, axis=axes)
-            return jnp.sqrt(jnp.maximum(second_moment - jnp.mean(mean, axis=axes) ** 2, 0.0))
-
-        return jtu.tree_map(pooled_std, value, values["mean"])
-    if name in ("mean", "near_zero"):
-        return jtu.tree_map(lambda v: jnp.mean(v, axis=axes), value)
-    raise ValueError(f"cannot pool statistic {name!r}: pool only px.activation_stats() logs")
 
 
 def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
-    """Pool `px.activation_stats()` statistics over their leading `num_axes` axes,
+    """Pool statistics (`px.Stats`, `px.Histogram`) over their leading `num_axes` axes,
     exactly (as if computed over all examples at once).
 
-    Layers inside a `jax.vmap` over examples (the usual Equinox style) log one
-    statistic per example; pooling inside the compiled step keeps what is returned and
-    recorded independent of the batch size. Histograms are added, which is exact only
+    Layers of a model under a `jax.vmap` of your own (the usual Equinox style: the
+    model runs per example) log one statistic per example; pooling inside the compiled
+    step keeps what is returned and recorded independent of the batch size (the vmaps
+    inside the model are pooled already). Histograms are added, which is exact only
     when their bins agree: an explicit range, or one shared over the vmap's
     `axis_name` (see `px.HistogramLog`); otherwise this raises (at run time, inside
     jit too) instead of adding counts of different bins.
 
     **Arguments:**
 
-    - `log`: a log of `px.activation_stats()` (`{path: {"mean", "std", ...}}`).
+    - `log`: a log of `px.StatsLog` or `px.activation_stats()` (`{path: stats}`), or of
+        `px.HistogramLog`.
     - `num_axes`: how many leading (example) axes to pool.
 
     **Returns:**
 
     The log with those axes pooled.
     """
-    axes = tuple(range(num_axes))
-    return {
-        path: {name: _pool(path, name, values, axes) for name in values}
-        for path, values in log.items()
-    }
+    for path, value in log.items():
+        values = jtu.tree_leaves(value, is_leaf=is_pooled)
+        if any(not is_pooled(v) for v in values):
+            raise ValueError(
+                f"px.pool_stats cannot pool the log of layer {path!r}: it holds values that do not "
+                "say how they pool (plain arrays); pool only logs of px.StatsLog, "
+                "px.activation_stats() or px.HistogramLog"
+            )
+        # Each statistic has a per-group scalar (a histogram's `below`): its axes are
+        # the ones to pool.
+        axes = min((jnp.ndim(leaf) for v in values for leaf in jtu.tree_leaves(v)), default=num_axes)
+        if axes < num_axes:
+            raise ValueError(
+                f"px.pool_stats(num_axes={num_axes}): the statistics of layer {path!r} have "
+                f"{axes} leading axes (the vmaps inside the model pool them already; pool only "
+                "the axes of a jax.vmap around the model)"
+            )
+    return pool_log(log, num_axes)
