@@ -29,6 +29,7 @@ from ._diagnostics._summary import (
     summary as summary,
     total_params as total_params,
 )
+from ._engine._context import CallSite as CallSite
 from ._engine._errors import (
     HookError as HookError,
     PeexInteropError as PeexInteropError,
@@ -46,12 +47,14 @@ from ._hooks._forward import ForwardHook as ForwardHook
 from ._hooks._hooks import (
     AbstractHook as AbstractHook,
     FunctionHook as FunctionHook,
+    HookMap as HookMap,
     IdentityHook as IdentityHook,
 )
 from ._hooks._logs import (
     AbstractLog as AbstractLog,
     FunctionLog as FunctionLog,
     IdentityLog as IdentityLog,
+    LogMap as LogMap,
     MeanLog as MeanLog,
     MeanStdLog as MeanStdLog,
     NoneLog as NoneLog,
@@ -120,6 +123,7 @@ __all__ = [
     "Alignment",
     "BackwardHook",
     "CachePatch",
+    "CallSite",
     "Comparison",
     "ComparisonRow",
     "ForwardHook",
@@ -132,10 +136,12 @@ __all__ = [
     "Histogram",
     "HistogramLog",
     "HookError",
+    "HookMap",
     "IdentityHook",
     "IdentityLog",
     "L2NormLog",
     "LinenModule",
+    "LogMap",
     "MeanAblation",
     "MeanLog",
     "MeanStdLog",
