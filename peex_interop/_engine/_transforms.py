@@ -171,6 +171,14 @@ def _bind(real: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(_signature(real).bind(*args, **kwargs).arguments)
 
 
+def _engine_axis_name() -> str:
+    """An axis name for a vmap the user left unnamed: one per nesting depth of the
+    named vmaps being traced, so that nested ones differ and each call of the model
+    gets the same names (a fresh name would recompile every collective and retrace
+    every jit inside, eager or not)."""
+    return f"peex_interop_vmap_{len(_pooling.mapped_axes())}"
+
+
 def _mapped_size(in_axes: Any, args: tuple, kwargs: dict, axis_size: int | None) -> int:
     """The size of a vmap's mapped axis, as JAX reads it from the arguments."""
     if axis_size is not None:
@@ -211,7 +219,7 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
             if body.needs_names:
                 # The index is read through an axis name (the user's, or one of ours).
                 # Only then: a new axis name makes JAX retrace every jit inside.
-                named = {**options, "axis_name": options.get("axis_name") or _AxisName()}
+                named = {**options, "axis_name": options.get("axis_name") or _engine_axis_name()}
 
             def run(probes):
                 def mapped_body(probes, *inner_args, **inner_kwargs):
@@ -449,14 +457,6 @@ def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwa
         )
         call_args, call_kwargs = args, kwargs
     return body.run_enclosed(lambda carried: eqx.combine(jitted(carried, *call_args, **call_kwargs), static_out[-1]))
-
-
-class _AxisName:
-    """A `jax.vmap` axis name of the engine's own, unequal to any user's: the body reads
-    its index with `jax.lax.axis_index`."""
-
-    def __repr__(self) -> str:
-        return "peex_interop_vmap_axis"
 
 
 class _ThreadedJit:
