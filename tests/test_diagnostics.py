@@ -524,3 +524,21 @@ def test_pool_stats_and_stats_log_refuse_what_does_not_pool():
         px.pool_stats({"layer": {"mean": jnp.ones(4)}})
     with pytest.raises(TypeError, match="IdentityLog"):
         px.StatsLog({"raw": px.IdentityLog()})
+
+
+def test_statistics_of_an_ensemble_inside_the_model_stay_per_member():
+    # A vmap over a stack of layers runs different layers: their statistics are not
+    # pooled (members keep their own), while a vmap over positions inside each is.
+    class Ensemble(eqx.Module):
+        members: eqx.nn.Linear
+
+        def __call__(self, xs):  # (positions, 3)
+            run = lambda member: jax.vmap(member)(xs)
+            return eqx.filter_vmap(run)(self.members)
+
+    members = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(jax.random.split(jax.random.key(0), 4))
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+    _, log = px.ForwardHook(Ensemble(members), log_fn={"members": px.activation_stats()})(xs)
+    outputs = jax.vmap(lambda w, b: xs @ w.T + b)(members.weight, members.bias)  # (4, 5, 2)
+    np.testing.assert_allclose(log["members"]["mean"], outputs.mean(axis=(1, 2)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(log["members"]["std"], outputs.std(axis=(1, 2)), rtol=1e-4, atol=1e-6)

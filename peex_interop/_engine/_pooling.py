@@ -92,16 +92,17 @@ def mapped_axes() -> tuple[Hashable, ...]:
     return tuple(_axes.items)
 
 
-def pooled_vmap(real_vmap: Callable, contexts: list) -> Callable:
-    """`real_vmap` for a threaded body that returns `(out, logs)`, one log per hooking
-    context in `contexts`: the vmap's `axis_name` (if any) is known to `mapped_axes()`
-    while the body is traced, and the `AbstractPooled` values of forward logs leave
-    pooled over the mapped axis.
+def pooled_vmap(real_vmap: Callable, threaded: Any) -> Callable:
+    """`real_vmap` for a threaded body (`_transforms._Body`) that returns `(out, logs)`,
+    one log per hooking context: the vmap's `axis_name` (if any) is known to
+    `mapped_axes()` while the body is traced, and the `AbstractPooled` values of forward
+    logs leave pooled over the mapped axis.
 
-    Backward logs are not pooled: a backward log's slot is a mapped input of the body
-    (its cotangents are per example), so its shape keeps the mapped axis.
+    Not pooled: backward logs (a backward log's slot is a mapped input of the body: its
+    cotangents are per example, so its shape keeps the mapped axis), and the logs of a
+    vmap over a stack of layers (an ensemble): each element is another layer.
     """
-    pools = [not getattr(context.policy, "uses_probes", False) for context in contexts]
+    backward = [getattr(context.policy, "uses_probes", False) for context in threaded.contexts]
 
     def vmap(body: Callable, in_axes: Any, out_axes: Any, **options) -> Callable:
         # Named when a log asks for it (`needs_axis_names`): the engine names it then.
@@ -118,6 +119,7 @@ def pooled_vmap(real_vmap: Callable, contexts: list) -> Callable:
 
         def call(*args, **kwargs):
             out, logs = mapped(*args, **kwargs)
+            pools = [not (probes or stack) for probes, stack in zip(backward, threaded.stacked)]
             return out, [pool_log(log, mapped=True) if pooling else log for log, pooling in zip(logs, pools)]
 
         return call

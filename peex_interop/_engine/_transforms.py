@@ -52,6 +52,8 @@ class _Body:
         self.foreign = [c.in_foreign_trace() for c in self.contexts]
         self.probed: list[set] = [set() for _ in self.contexts]
         self.steps: list[dict] = [{} for _ in self.contexts]
+        # Whether the body ran a stack of layers (model arrays mapped in), per context.
+        self.stacked = [False for _ in self.contexts]
         # A mapped body reads its index only for hooks that use it (it costs an input
         # or an axis name); statistics may need the axis name alone.
         self.needs_indices = any(c.needs_indices for c in self.contexts)
@@ -72,6 +74,7 @@ class _Body:
         try:
             out = self.fn(*args, **kwargs)
         finally:
+            self.stacked = [context.scopes[-1].stacked for context in self.contexts]
             exits = [context.exit_body() for context in self.contexts]
         logs = [log for log, _, _ in exits]
         self.probed = [probed for _, probed, _ in exits]
@@ -228,7 +231,7 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
                     return body(probes, (inner_args, inner_kwargs), inner_args, inner_kwargs, index, length)
 
                 axes = _with_leading_axis(in_axes, len(args))
-                return _pooling.pooled_vmap(real_vmap, body.contexts)(mapped_body, axes, (out_axes, 0), **named)(
+                return _pooling.pooled_vmap(real_vmap, body)(mapped_body, axes, (out_axes, 0), **named)(
                     probes, *args, **kwargs
                 )
 

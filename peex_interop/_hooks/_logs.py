@@ -83,6 +83,10 @@ class LogMap(AbstractLog):
     def needs_indices(self) -> bool:
         return any(map(may_name_a_step, self.patterns)) or any(map(needs_indices, self.logs))
 
+    @property
+    def needs_axis_names(self) -> bool:
+        return any(getattr(log, "needs_axis_names", False) for log in self.logs)
+
     def __call__(self, args: Any, site: CallSite) -> Any:
         for pattern, log in zip(self.patterns, self.logs):
             match = site.matches(pattern)
