@@ -1,5 +1,5 @@
 # Everything a fresh machine needs: `make demo`, `make test`, `make docs`, `make lint`,
-# `make bench`; `make check-core` checks the no-extras install in a venv of its own.
+# `make bench` (`make bench-check`: its smoke run); `make check-core` checks the no-extras install in a venv of its own.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -21,7 +21,7 @@ NEW_VENV = py=$$($(FIND_PYTHON)); \
 	if [ -z "$$py" ]; then echo "error: peex_interop needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi; \
 	echo "using $$py"; $$py -m venv
 
-.PHONY: demo test docs lint bench check-core clean
+.PHONY: demo test docs lint bench bench-check check-core clean
 
 $(STAMP): pyproject.toml
 	@$(NEW_VENV) $(VENV)
@@ -46,6 +46,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --out docs/benchmarks.md
 
+# The bench's smoke run (`--quick`: small models, a few repetitions) writes a complete page.
+bench-check: $(STAMP)
+	$(PY) -m pytest -m bench -n 0 tests/test_bench.py
+
 # `pip install .` with no extras, in a fresh venv: only the core dependencies, no Haiku or
 # Flax on import, then the Equinox tests there (test tools installed after the check).
 check-core:
@@ -53,7 +57,7 @@ check-core:
 	@$(NEW_VENV) $(CORE_VENV)
 	$(CORE_VENV)/bin/python -m pip install --quiet .
 	$(CORE_VENV)/bin/python .ci/check_core_install.py
-	$(CORE_VENV)/bin/python -m pip install --quiet pytest hypothesis peex==0.0.3
+	$(CORE_VENV)/bin/python -m pip install --quiet pytest pytest-xdist hypothesis peex==0.0.3
 	$(CORE_VENV)/bin/python -m pytest -p no:cacheprovider $(CORE_TESTS)
 
 clean:

@@ -502,29 +502,21 @@ def train_output(result):
     return eqx.filter(result[0], eqx.is_inexact_array)
 
 
-# How `every=10` is run: one compiled step deciding under `lax.cond`
-# (`Recorder.when_due`), else the host choosing between two compiled steps (`due`).
-EVERY_TEN = "Recorder.when_due" if hasattr(px.Recorder, "when_due") else "Recorder.due"
-EVERY_TEN_TEXT = {
-    "Recorder.when_due": "ten calls of one compiled statistics step that computes them "
-    "only on due steps (`with recorder.when_due(step):` around the loss, `step` an "
-    "array: `lax.cond`), `px.Recorder(every=10)`",
-    "Recorder.due": "ten steps where `px.Recorder(every=10).due` picks the compiled "
-    "statistics step or the plain one",
-}
+# How `every=10` is run: one compiled step deciding under `lax.cond`.
+EVERY_TEN_TEXT = (
+    "ten calls of one compiled statistics step that computes them only on due steps "
+    "(`with recorder.when_due(step):` around the loss, `step` an array: `lax.cond`), "
+    "`px.Recorder(every=10)`"
+)
 
 
 def every_ten_variants(hooked, calls, x, batched, optimizer):
-    """Ten training steps with statistics on every 10th (`EVERY_TEN`), against ten
-    plain steps (`calls["train plain"]`)."""
+    """Ten training steps with statistics on every 10th (`Recorder.when_due`), against
+    ten plain steps (`calls["train plain"]`)."""
     recorder = px.Recorder(every=10)
     opt_state = optimizer.init(eqx.filter(hooked, eqx.is_inexact_array))
-    if EVERY_TEN == "Recorder.when_due":
-        step = partial(train_step(optimizer, batched, True, recorder), hooked, opt_state, x)
-        steps = [partial(step, jnp.asarray(i)) for i in range(10)]
-    else:
-        step = partial(train_step(optimizer, batched, True), hooked, opt_state, x)
-        steps = [step if recorder.due(i) else calls["train plain"].call for i in range(10)]
+    step = partial(train_step(optimizer, batched, True, recorder), hooked, opt_state, x)
+    steps = [partial(step, jnp.asarray(i)) for i in range(10)]
 
     def ten(steps):
         return [step() for step in steps][-1]
@@ -772,7 +764,7 @@ def train_rows(library, medians):
                   model, medians, "train stats no hist", "train plain", 1.05),
         ratio_row("statistics", "train step, activation_stats with histogram / plain",
                   model, medians, "train stats", "train plain", 1.25),
-        ratio_row("statistics", f"10 train steps, stats every 10 ({EVERY_TEN}) / 10 plain",
+        ratio_row("statistics", "10 train steps, stats every 10 (Recorder.when_due) / 10 plain",
                   model, medians, "10 steps, stats every 10", "10 plain steps", 1.03),
     ]
     return [r for r in rows if r is not None]
@@ -1003,7 +995,7 @@ def header(budget, wall, quick):
         "near-zero, 40-bin histogram; per-example Equinox models under "
         "`jax.vmap(axis_name='batch')` with the histogram's `axis_name='batch'`, pooled "
         "by `px.pool_stats`), or the same statistics without the histogram, against the "
-        "step on the unhooked model; every 10 = " + EVERY_TEN_TEXT[EVERY_TEN] + ", against ten "
+        "step on the unhooked model; every 10 = " + EVERY_TEN_TEXT + ", against ten "
         "plain steps. Memory = "
         "bytes of the statistics one transformer forward returns, from `jax.eval_shape`.\n\n"
         "Compile: first call (lower, XLA compile, run of `eqx.filter_jit` of the model "

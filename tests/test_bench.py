@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("Equinox", "Haiku", "NNX", "linen")
 
 
+@pytest.mark.bench
 def test_quick_bench_writes_the_page(tmp_path):
     out = tmp_path / "benchmarks.md"
     subprocess.run(
