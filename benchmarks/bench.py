@@ -58,7 +58,7 @@ from flax import nnx
 import peex_interop as px
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from first_call import WRAPPERS, scanned_forward, scanned_transformer
+from first_call import FORWARDS, WRAPPERS, scanned_forward, scanned_transformer
 
 from models import random_like
 
@@ -654,9 +654,10 @@ def count_equations(jaxpr):
 
 
 def jaxpr_size(call):
-    """(inputs, outputs, equations) of the jitted function a call runs."""
+    """(inputs, outputs, equations, output values) of the jitted function a call runs."""
     jaxpr = jitted_jaxpr(call)
-    return len(jaxpr.invars), len(jaxpr.outvars), count_equations(jaxpr)
+    values = sum(math.prod(v.aval.shape) for v in jaxpr.outvars)
+    return len(jaxpr.invars), len(jaxpr.outvars), count_equations(jaxpr), values
 
 
 def flatten_micros(tree, reps=2000):
@@ -836,8 +837,11 @@ def memory_table(memory):
 
 
 def jaxpr_table(sizes):
-    lines = ["| model | variant | jaxpr inputs | outputs | equations |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {m} | {v} | {i} | {o} | {e} |" for (m, v), (i, o, e) in sizes.items()]
+    lines = [
+        "| model | variant | jaxpr inputs | outputs | equations | output values |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {m} | {v} | {i} | {o} | {e} | {n:,} |" for (m, v), (i, o, e, n) in sizes.items()]
     return "\n".join(lines)
 
 
@@ -937,6 +941,16 @@ def findings(rows, steady, sizes, flatten, first, memory, unpooled):
                          f"{hooked[1] / raw[1]:.2f}x, run {hooked[2] / raw[2]:.2f}x, jaxpr outputs "
                          f"{outputs[0]} against {outputs[1]}")
     lines.append("- **First calls, hooked / raw, by part**: " + "; ".join(parts) + ".")
+    values = [
+        f"L = {depth}: log-hooked {sizes[f'scanned L={depth}', 'log'][3]:,}, by hand "
+        f"{sizes[f'scanned L={depth}', 'by_hand'][3]:,}, raw {sizes[f'scanned L={depth}', 'raw'][3]:,}"
+        for depth in COMPILE_DEPTHS
+    ]
+    lines.append(
+        "- **Values a first call returns** (the log-everything log holds every layer's output, attention "
+        "weights included, and a layer that is also its container's last call twice; the hand-written "
+        "pass returns each block's layer outputs once): " + "; ".join(values) + "."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -1056,7 +1070,8 @@ def run(budget):
     for depth in COMPILE_DEPTHS:
         model, tokens = scanned_transformer(depth, S.dim, S.heads, S.batch, S.seq)
         for variant, wrap in WRAPPERS.items():
-            sizes[f"scanned L={depth}", variant] = jaxpr_size(partial(scanned_forward, wrap(model), tokens))
+            forward_ = partial(FORWARDS.get(variant, scanned_forward), wrap(model), tokens)
+            sizes[f"scanned L={depth}", variant] = jaxpr_size(forward_)
     first = first_calls(budget.first_call_reps, parallel=budget is QUICK)
     memory, unpooled = memory_rows()
     return steady, diffs, sizes, flatten, first, memory, unpooled, reps
