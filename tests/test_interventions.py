@@ -140,6 +140,20 @@ def test_step_errors(model):
         hooked.init(x)
 
 
+def check_step_one(out, log, key, kernels, biases, x):
+    """A stack of `tanh(h @ kernel + bias)` steps hooked at step 1 by `+1`, logged under
+    `key`: the output and the log equal the loop written out."""
+    h, logged = x, None
+    for i in range(STEPS):
+        y = h @ kernels[i] + biases[i]
+        if i == 1:
+            logged = y = y + 1
+        h = jnp.tanh(y)
+    assert set(log) == {key}
+    close(out, h)
+    close(log[key], logged)
+
+
 def test_one_step_of_an_nnx_stack():
     nnx = pytest.importorskip("flax.nnx")
 
@@ -161,16 +175,7 @@ def test_one_step_of_an_nnx_stack():
     x = jnp.asarray([0.3, -0.2, 0.9])
     out, log = jitted(px.ForwardHook(px.from_nnx(module), hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(),
                                      where="blocks.1.lin"), x)
-    kernel, bias = module.blocks.lin.kernel[...], module.blocks.lin.bias[...]
-    h, logged = x, None
-    for i in range(STEPS):
-        y = h @ kernel[i] + bias[i]
-        if i == 1:
-            logged = y = y + 1
-        h = jnp.tanh(y)
-    assert set(log) == {"blocks.1.lin"}
-    close(out, h)
-    close(log["blocks.1.lin"], logged)
+    check_step_one(out, log, "blocks.1.lin", module.blocks.lin.kernel[...], module.blocks.lin.bias[...], x)
 
 
 def test_one_step_of_a_haiku_layer_stack():
@@ -185,16 +190,7 @@ def test_one_step_of_a_haiku_layer_stack():
     model = px.from_haiku(transformed, params)
     # The stack's body calls no module of its own: the step follows the linear.
     out, log = jitted(px.ForwardHook(model, hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(), where="blocks.lin.1"), x)
-    w, b = params["blocks/lin"]["w"], params["blocks/lin"]["b"]
-    h, logged = x, None
-    for i in range(STEPS):
-        y = h @ w[i] + b[i]
-        if i == 1:
-            logged = y = y + 1
-        h = jnp.tanh(y)
-    assert set(log) == {"blocks.lin.1"}
-    close(out, h)
-    close(log["blocks.lin.1"], logged)
+    check_step_one(out, log, "blocks.lin.1", params["blocks/lin"]["w"], params["blocks/lin"]["b"], x)
     # The whole stack is named by its parameters' path, as px.module_paths lists it.
     _, whole = px.ForwardHook(model, log_fn=px.IdentityLog(), where="blocks.lin")(x)
     assert "blocks.lin" in px.module_paths(model) and whole["blocks.lin"].shape == (STEPS, W)
@@ -230,12 +226,4 @@ def test_one_step_of_a_linen_scan():
     model = px.from_linen(Stack(), variables)
     out, log = jitted(px.ForwardHook(model, hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(), where="blocks.1.lin"), x)
     dense = variables["params"]["blocks"]["lin"]
-    h, logged = x, None
-    for i in range(STEPS):
-        y = h @ dense["kernel"][i] + dense["bias"][i]
-        if i == 1:
-            logged = y = y + 1
-        h = jnp.tanh(y)
-    assert set(log) == {"blocks.1.lin"}
-    close(out, h)
-    close(log["blocks.1.lin"], logged)
+    check_step_one(out, log, "blocks.1.lin", dense["kernel"], dense["bias"], x)
