@@ -241,6 +241,35 @@ def attention(bias):
     return build
 
 
+class EqxScan(eqx.Module):
+    """A stack built with `eqx.filter_vmap`, one block per `jax.lax.scan` step; each
+    block takes the whole batch."""
+
+    blocks: eqx.Module
+
+    def __call__(self, x):
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+        return jax.lax.scan(lambda x, arrays: (eqx.combine(arrays, static)(x), None), x, arrays)[0]
+
+
+def eqx_scan(block, steps):
+    return EqxScan(eqx.filter_vmap(block)(jax.random.split(jax.random.key(1), steps)))
+
+
+class NnxScan(nnx.Module):
+    """A stack built with `nnx.vmap`, one block per `nnx.scan` step."""
+
+    def __init__(self, block, steps, rngs):
+        self.blocks = nnx.vmap(lambda k: block(nnx.Rngs(k)))(jax.random.split(rngs.params(), steps))
+
+    def __call__(self, x):
+        return nnx.scan(lambda x, b: (b(x), None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.blocks)[0]
+
+
+def nnx_scan(block, steps):
+    return px.from_nnx(NnxScan(block, steps, nnx.Rngs(2)))
+
+
 class EqxStack(eqx.Module):
     layers: eqx.nn.Linear  # stacked: weight (3, 4, 4)
 
@@ -259,14 +288,6 @@ class NnxBlock(nnx.Module):
         return jnp.tanh(self.lin(x))
 
 
-class NnxStack(nnx.Module):
-    def __init__(self, rngs):
-        self.blocks = nnx.vmap(lambda k: NnxBlock(nnx.Rngs(k)))(jax.random.split(rngs.params(), 3))
-
-    def __call__(self, x):
-        return nnx.scan(lambda x, b: (b(x), None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.blocks)[0]
-
-
 def stack():
     x = jax.random.normal(jax.random.key(0), (2, 4))
 
@@ -278,7 +299,7 @@ def stack():
             eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(jax.random.split(jax.random.key(1), 3))
         ),
         "haiku": haiku(haiku_fn, x),
-        "nnx": px.from_nnx(NnxStack(nnx.Rngs(2))),
+        "nnx": nnx_scan(NnxBlock, 3),
     }
 
 
@@ -303,14 +324,6 @@ class NnxAttentionBlock(nnx.Module):
         return x + self.attn(x)
 
 
-class NnxAttentionStack(nnx.Module):
-    def __init__(self, rngs):
-        self.blocks = nnx.vmap(lambda k: NnxAttentionBlock(nnx.Rngs(k)))(jax.random.split(rngs.params(), 2))
-
-    def __call__(self, x):
-        return nnx.scan(lambda x, b: (b(x), None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.blocks)[0]
-
-
 def attention_stack():
     x = jax.random.normal(jax.random.key(0), (2, 5, 8))
     flags = dict(use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True)
@@ -328,7 +341,118 @@ def attention_stack():
             )
         ),
         "haiku": haiku(haiku_fn, x),
-        "nnx": px.from_nnx(NnxAttentionStack(nnx.Rngs(2))),
+        "nnx": nnx_scan(NnxAttentionBlock, 2),
+    }
+
+
+class EqxNormBlock(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    lin: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.norm, self.lin = eqx.nn.LayerNorm(4), eqx.nn.Linear(4, 4, key=key)
+
+    def __call__(self, x):
+        return jnp.tanh(jax.vmap(lambda x: self.lin(self.norm(x)))(x))
+
+
+class NnxNormBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(4, epsilon=1e-5, rngs=rngs)
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.lin(self.norm(x)))
+
+
+def norm_stack():
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+
+    def block(x):
+        return jnp.tanh(hk.Linear(4, name="lin")(hk.LayerNorm(-1, True, True, name="norm")(x)))
+
+    return x, {
+        "equinox": eqx_scan(EqxNormBlock, 3),
+        "haiku": haiku(lambda x: hk.experimental.layer_stack(3)(block)(x), x),
+        "nnx": nnx_scan(NnxNormBlock, 3),
+    }
+
+
+class EqxConvBlock(eqx.Module):
+    conv: eqx.nn.Conv1d
+
+    def __init__(self, key):
+        self.conv = eqx.nn.Conv1d(4, 4, 3, padding=1, groups=2, key=key)
+
+    def __call__(self, x):  # (batch, length, channels); Equinox convolves channels first
+        return jnp.tanh(jax.vmap(lambda x: self.conv(x.T).T)(x))
+
+
+class NnxConvBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(4, 4, (3,), feature_group_count=2, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.conv(x))
+
+
+def conv_stack():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 4))
+
+    def block(x):
+        return jnp.tanh(hk.Conv1D(4, 3, feature_group_count=2, name="conv")(x))
+
+    return x, {
+        "equinox": eqx_scan(EqxConvBlock, 3),
+        "haiku": haiku(lambda x: hk.experimental.layer_stack(3)(block)(x), x),
+        "nnx": nnx_scan(NnxConvBlock, 3),
+    }
+
+
+class EqxLSTMBlock(eqx.Module):
+    cell: eqx.nn.LSTMCell
+
+    def __init__(self, key):
+        self.cell = eqx.nn.LSTMCell(5, 5, key=key)
+
+    def __call__(self, xs):  # (time, batch, features) -> the hidden state at each time
+        h = c = jnp.zeros(xs.shape[1:])
+        hs = []
+        for x in xs:
+            h, c = jax.vmap(self.cell)(x, (h, c))
+            hs.append(h)
+        return jnp.stack(hs)
+
+
+class NnxLSTMBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.cell = nnx.LSTMCell(5, 5, rngs=rngs)
+
+    def __call__(self, xs):
+        h = jnp.zeros(xs.shape[1:])
+        carry, hs = (h, h), []
+        for x in xs:
+            carry, h = self.cell(carry, x)
+            hs.append(h)
+        return jnp.stack(hs)
+
+
+def lstm_stack():
+    xs = jax.random.normal(jax.random.key(0), (2, 2, 5))
+
+    def block(xs):
+        core = hk.LSTM(5, name="lstm")
+        state = core.initial_state(xs.shape[1])
+        hs = []
+        for x in xs:
+            h, state = core(x, state)
+            hs.append(h)
+        return jnp.stack(hs)
+
+    return xs, {
+        "equinox": eqx_scan(EqxLSTMBlock, 2),
+        "haiku": haiku(lambda xs: hk.experimental.layer_stack(2)(block)(xs), xs),
+        "nnx": nnx_scan(NnxLSTMBlock, 2),
     }
 
 
@@ -387,6 +511,9 @@ KINDS = {
     "attention_without_bias": (attention(False), 1e-5),
     "scanned_stack": (stack, 1e-5),
     "scanned_attention_stack": (attention_stack, 1e-5),
+    "scanned_layer_norm_stack": (norm_stack, 1e-5),
+    "scanned_conv1d_stack": (conv_stack, 1e-5),
+    "scanned_lstm_stack": (lstm_stack, 1e-5),
     "lstm": (lstm, 1e-4),
 }
 
@@ -466,6 +593,16 @@ def test_stale_batch_norm_statistics_are_pinpointed():
     stale = eqx.tree_at(lambda m: m.state, port, models["equinox"].state)
     assert first_divergence(source, stale, x) == ("bn", "bn")
 
+
+
+def test_stack_steps_in_the_wrong_order_are_pinpointed():
+    # The old bug: a scanned stack into or out of Equinox transferred step for the wrong step.
+    x, models = conv_stack()
+    source = perturbed(models["haiku"], 0)
+    port = px.transfer_params(source, models["equinox"], px.align(source, models["equinox"], x).mapping, inputs=x)
+    assert first_divergence(source, port, x) is None
+    reversed_steps = eqx.tree_at(lambda m: m.blocks.conv.weight, port, port.blocks.conv.weight[::-1])
+    assert first_divergence(source, reversed_steps, x) == ("conv", "blocks.conv")
 
 # -- what cannot be mapped exactly is refused, naming the layer and the reason ------------
 
