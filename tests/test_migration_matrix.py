@@ -821,3 +821,16 @@ def test_statistics_of_an_equinox_batch_norm_in_batch_mode():
     np.testing.assert_allclose(port(x), output(source, x), rtol=1e-5, atol=1e-5)
     back = px.transfer_params(port, models["nnx"], {"linear": "linear", "bn": "bn"}, inputs=x)
     np.testing.assert_allclose(back(x), output(source, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bug_in_a_later_layer_of_a_scanned_block_is_pinpointed_at_that_layer():
+    # blocks.lin is wrong from step 0; blocks.norm (first in the block) diverges only
+    # from step 1, fed by it: compare ranks a stack's layers by their first bad step.
+    x, models = norm_stack()
+    source = perturbed(models["nnx"], 0)
+    port = px.transfer_params(source, models["equinox"], px.align(source, models["equinox"], x).mapping, inputs=x)
+    broken = eqx.tree_at(lambda m: m.blocks.lin.weight, port, port.blocks.lin.weight.transpose(0, 2, 1))
+    comparison = px.compare(source, broken, x)
+    assert [row.path_a for row in comparison.rows if row.diverged] == ["blocks.norm", "blocks.lin"]
+    assert comparison.first_divergence.path_a == "blocks.lin"
+    assert comparison.first_divergence.first_step == 0

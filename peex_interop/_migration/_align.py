@@ -159,6 +159,9 @@ class ComparisonRow:
     cotangent_max_abs: float | None
     cotangent_max_rel: float | None
     diverged: bool
+    # For a layer of a scanned stack: the first step at which it diverges (None if it
+    # does not, or is not in a stack).
+    first_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -172,7 +175,14 @@ class Comparison(AbstractTabular):
 
     @property
     def first_divergence(self) -> ComparisonRow | None:
-        return next((row for row in self.rows if row.diverged), None)
+        """The first diverging layer in call order; inside a scanned stack, whose
+        layers all run at every step, the one that diverges at the earliest step (a
+        layer wrong from step 0 makes the stack's first layer diverge from step 1)."""
+        first = next((i for i, row in enumerate(self.rows) if row.diverged), None)
+        if first is None or self.rows[first].first_step is None:
+            return None if first is None else self.rows[first]
+        stack = itertools.takewhile(lambda row: row.first_step is not None or not row.diverged, self.rows[first:])
+        return min((row for row in stack if row.diverged), key=lambda row: row.first_step or 0)
 
     def _table(self) -> Table:
         return Table(
@@ -225,6 +235,7 @@ def compare(
     """
     alignment = alignment or align(model_a, model_b, *args, **kwargs)
     paths_a, paths_b = list(alignment.mapping), list(alignment.mapping.values())
+    stack_axes = [_stack_axes(model, args, kwargs) for model in (model_a, model_b)]
     _, log_a = ForwardHook(model_a, log_fn=IdentityLog(), layer_names=_layers(paths_a) or None)(*args, **kwargs)
     _, log_b = ForwardHook(model_b, log_fn=IdentityLog(), layer_names=_layers(paths_b) or None)(*args, **kwargs)
     if cotangents:
@@ -238,5 +249,30 @@ def compare(
         if cotangents:
             ct_abs, ct_rel, ct_excess = _tree_difference(ct_a[path_a], ct_b[path_b])
             diverged = diverged or ct_excess > tolerance
-        rows.append(ComparisonRow(path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(diverged)))
+        axes = stack_axes[0].get(path_a), stack_axes[1].get(path_b)
+        first_step = None
+        if diverged and None not in axes:
+            first_step = _first_diverging_step(log_a[path_a], log_b[path_b], axes, tolerance)
+        rows.append(ComparisonRow(path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(diverged), first_step))
     return Comparison(tuple(rows), alignment, tolerance)
+
+
+def _stack_axes(model: Any, args: tuple, kwargs: dict) -> dict[str, tuple[int, int]]:
+    """Log key -> (axis, length) of the innermost stack of layers the layer runs in."""
+    return {
+        row.key: (row.stacks[-1], row.lengths[row.stacks[-1]])
+        for row in summary(model, *args, **kwargs).rows
+        if row.stacks
+    }
+
+
+def _first_diverging_step(a: Any, b: Any, axes: tuple, tolerance: float) -> int | None:
+    (axis_a, length), (axis_b, _) = axes
+
+    def step(tree: Any, axis: int, i: int) -> Any:
+        return jax.tree.map(lambda x: np.take(np.asarray(x), i, axis) if np.ndim(x) > axis else x, tree)
+
+    for i in range(length):
+        if _tree_difference(step(a, axis_a, i), step(b, axis_b, i))[2] > tolerance:
+            return i
+    return None
