@@ -346,67 +346,86 @@ def attention_stack():
 
 
 class EqxNormBlock(eqx.Module):
-    norm: eqx.nn.LayerNorm
+    norm: eqx.Module
     lin: eqx.nn.Linear
 
-    def __init__(self, key):
-        self.norm, self.lin = eqx.nn.LayerNorm(4), eqx.nn.Linear(4, 4, key=key)
+    def __init__(self, key, rms=False):
+        self.norm = eqx.nn.RMSNorm(4, use_bias=False) if rms else eqx.nn.LayerNorm(4)
+        self.lin = eqx.nn.Linear(4, 4, key=key)
 
     def __call__(self, x):
         return jnp.tanh(jax.vmap(lambda x: self.lin(self.norm(x)))(x))
 
 
 class NnxNormBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.norm = nnx.LayerNorm(4, epsilon=1e-5, rngs=rngs)
+    def __init__(self, rngs, rms=False):
+        self.norm = (nnx.RMSNorm if rms else nnx.LayerNorm)(4, epsilon=1e-5, rngs=rngs)
         self.lin = nnx.Linear(4, 4, rngs=rngs)
 
     def __call__(self, x):
         return jnp.tanh(self.lin(self.norm(x)))
 
 
-def norm_stack():
-    x = jax.random.normal(jax.random.key(0), (2, 4))
+def norm_stack(rms=False):
+    def build():
+        x = jax.random.normal(jax.random.key(0), (2, 4))
 
-    def block(x):
-        return jnp.tanh(hk.Linear(4, name="lin")(hk.LayerNorm(-1, True, True, name="norm")(x)))
+        def block(x):
+            norm = hk.RMSNorm(-1, name="norm") if rms else hk.LayerNorm(-1, True, True, name="norm")
+            return jnp.tanh(hk.Linear(4, name="lin")(norm(x)))
 
-    return x, {
-        "equinox": eqx_scan(EqxNormBlock, 3),
-        "haiku": haiku(lambda x: hk.experimental.layer_stack(3)(block)(x), x),
-        "nnx": nnx_scan(NnxNormBlock, 3),
-    }
+        return x, {
+            "equinox": eqx_scan(lambda k: EqxNormBlock(k, rms), 3),
+            "haiku": haiku(lambda x: hk.experimental.layer_stack(3)(block)(x), x),
+            "nnx": nnx_scan(lambda rngs: NnxNormBlock(rngs, rms), 3),
+        }
+
+    return build
 
 
 class EqxConvBlock(eqx.Module):
-    conv: eqx.nn.Conv1d
+    conv: eqx.Module
 
-    def __init__(self, key):
-        self.conv = eqx.nn.Conv1d(4, 4, 3, padding=1, groups=2, key=key)
+    def __init__(self, key, dims=1, transpose=False):
+        if transpose:  # stride 1, so the block keeps its input's shape; no groups in Haiku
+            self.conv = eqx.nn.ConvTranspose(dims, 4, 4, 3, padding=1, key=key)
+        else:
+            self.conv = eqx.nn.Conv(dims, 4, 4, 3, padding=1, groups=2, key=key)
 
-    def __call__(self, x):  # (batch, length, channels); Equinox convolves channels first
-        return jnp.tanh(jax.vmap(lambda x: self.conv(x.T).T)(x))
+    def __call__(self, x):  # (batch, *spatial, channels); Equinox convolves channels first
+        return jnp.tanh(jax.vmap(lambda x: jnp.moveaxis(self.conv(jnp.moveaxis(x, -1, 0)), 0, -1))(x))
 
 
 class NnxConvBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.conv = nnx.Conv(4, 4, (3,), feature_group_count=2, rngs=rngs)
+    def __init__(self, rngs, dims=1, transpose=False):
+        window = (3,) * dims
+        if transpose:
+            self.conv = nnx.ConvTranspose(4, 4, window, padding=[(1, 1)] * dims, transpose_kernel=True, rngs=rngs)
+        else:
+            self.conv = nnx.Conv(4, 4, window, feature_group_count=2, rngs=rngs)
 
     def __call__(self, x):
         return jnp.tanh(self.conv(x))
 
 
-def conv_stack():
-    x = jax.random.normal(jax.random.key(0), (2, 5, 4))
+def conv_stack(dims=1, transpose=False):
+    def build():
+        x = jax.random.normal(jax.random.key(0), (2,) + (4,) * dims + (4,))
 
-    def block(x):
-        return jnp.tanh(hk.Conv1D(4, 3, feature_group_count=2, name="conv")(x))
+        def block(x):
+            if transpose:
+                conv = hk.ConvNDTranspose(dims, 4, 3, padding=[(1, 1)] * dims, name="conv")
+            else:
+                conv = hk.ConvND(dims, 4, 3, feature_group_count=2, name="conv")
+            return jnp.tanh(conv(x))
 
-    return x, {
-        "equinox": eqx_scan(EqxConvBlock, 3),
-        "haiku": haiku(lambda x: hk.experimental.layer_stack(3)(block)(x), x),
-        "nnx": nnx_scan(NnxConvBlock, 3),
-    }
+        return x, {
+            "equinox": eqx_scan(lambda k: EqxConvBlock(k, dims, transpose), 3),
+            "haiku": haiku(lambda x: hk.experimental.layer_stack(3)(block)(x), x),
+            "nnx": nnx_scan(lambda rngs: NnxConvBlock(rngs, dims, transpose), 3),
+        }
+
+    return build
 
 
 class EqxLSTMBlock(eqx.Module):
@@ -453,6 +472,63 @@ def lstm_stack():
         "equinox": eqx_scan(EqxLSTMBlock, 2),
         "haiku": haiku(lambda xs: hk.experimental.layer_stack(2)(block)(xs), xs),
         "nnx": nnx_scan(NnxLSTMBlock, 2),
+    }
+
+
+class EqxBatchNormBlock(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(4, 4, key=key)
+        self.bn = eqx.nn.BatchNorm(4, "batch", mode="ema", inference=True)
+
+    def __call__(self, x, state):
+        return jnp.tanh(jax.vmap(lambda x: self.bn(self.lin(x), state)[0])(x))
+
+
+class EqxBatchNormScan(eqx.Module):
+    """Equinox's stacked BatchNorm: `make_with_state` under `filter_vmap` stacks the
+    State too, and each scan step takes its slice of it."""
+
+    blocks: EqxBatchNormBlock
+    state: eqx.nn.State
+
+    def __call__(self, x):
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(x, step_arrays):
+            arrays, state = step_arrays
+            return eqx.combine(arrays, static)(x, state), None
+
+        return jax.lax.scan(step, x, (arrays, self.state))[0]
+
+
+class NnxBatchNormBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, use_running_average=True, epsilon=1e-5, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.bn(self.lin(x)))
+
+
+def batch_norm_stack():
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+
+    def block(x, is_training):
+        h = hk.Linear(4, name="lin")(x)
+        return jnp.tanh(hk.BatchNorm(True, True, 0.9, name="bn")(h, is_training=is_training))
+
+    def haiku_fn(x, is_training=False):
+        return hk.experimental.layer_stack(3)(lambda x: block(x, is_training))(x)
+
+    make = eqx.nn.make_with_state(EqxBatchNormBlock)
+    blocks, state = eqx.filter_vmap(make)(jax.random.split(jax.random.key(1), 3))
+    return x, {
+        "equinox": EqxBatchNormScan(blocks, state),
+        "haiku": haiku(haiku_fn, x, stateful=True, is_training=True),
+        "nnx": nnx_scan(NnxBatchNormBlock, 3),
     }
 
 
@@ -511,8 +587,14 @@ KINDS = {
     "attention_without_bias": (attention(False), 1e-5),
     "scanned_stack": (stack, 1e-5),
     "scanned_attention_stack": (attention_stack, 1e-5),
-    "scanned_layer_norm_stack": (norm_stack, 1e-5),
-    "scanned_conv1d_stack": (conv_stack, 1e-5),
+    "scanned_layer_norm_stack": (norm_stack(), 1e-5),
+    "scanned_rms_norm_stack": (norm_stack(rms=True), 1e-5),
+    "scanned_conv1d_stack": (conv_stack(), 1e-5),
+    "scanned_conv2d_stack": (conv_stack(dims=2), 1e-5),
+    "scanned_conv_transpose_stack": (conv_stack(transpose=True), 1e-5),
+    "scanned_batch_norm_stack": (batch_norm_stack, 1e-5),
+    # No scanned stack of embeddings: a step's output is the next step's input, and an
+    # embedding takes integer tokens and returns float vectors.
     "scanned_lstm_stack": (lstm_stack, 1e-5),
     "lstm": (lstm, 1e-4),
 }
@@ -597,7 +679,7 @@ def test_stale_batch_norm_statistics_are_pinpointed():
 
 def test_stack_steps_in_the_wrong_order_are_pinpointed():
     # The old bug: a scanned stack into or out of Equinox transferred step for the wrong step.
-    x, models = conv_stack()
+    x, models = conv_stack()()
     source = perturbed(models["haiku"], 0)
     port = px.transfer_params(source, models["equinox"], px.align(source, models["equinox"], x).mapping, inputs=x)
     assert first_divergence(source, port, x) is None
@@ -826,7 +908,7 @@ def test_statistics_of_an_equinox_batch_norm_in_batch_mode():
 def test_a_bug_in_a_later_layer_of_a_scanned_block_is_pinpointed_at_that_layer():
     # blocks.lin is wrong from step 0; blocks.norm (first in the block) diverges only
     # from step 1, fed by it: compare ranks a stack's layers by their first bad step.
-    x, models = norm_stack()
+    x, models = norm_stack()()
     source = perturbed(models["nnx"], 0)
     port = px.transfer_params(source, models["equinox"], px.align(source, models["equinox"], x).mapping, inputs=x)
     broken = eqx.tree_at(lambda m: m.blocks.lin.weight, port, port.blocks.lin.weight.transpose(0, 2, 1))
@@ -834,3 +916,17 @@ def test_a_bug_in_a_later_layer_of_a_scanned_block_is_pinpointed_at_that_layer()
     assert [row.path_a for row in comparison.rows if row.diverged] == ["blocks.norm", "blocks.lin"]
     assert comparison.first_divergence.path_a == "blocks.lin"
     assert comparison.first_divergence.first_step == 0
+
+
+def test_a_stacked_equinox_batch_norm_needs_its_stacked_state():
+    x, models = batch_norm_stack()
+    source = perturbed(models["haiku"], 0)
+    blocks, mapping = models["equinox"].blocks, {"lin": "lin", "bn": "bn"}
+    with pytest.raises(px.HookError, match=r"cannot map layer 'bn'.*eqx.nn.State"):
+        px.transfer_params(source, blocks, mapping)
+    port, state = px.transfer_params(source, blocks, mapping, dst_state=models["equinox"].state)
+    mean, var = state.get(port.bn.ema_state_index)  # one row per step
+    haiku_stats = [source.state[f"__layer_stack_no_per_layer/bn/~/{stat}_ema"]["average"] for stat in ("mean", "var")]
+    np.testing.assert_array_equal(mean, haiku_stats[0][:, 0])  # Haiku keeps (steps, 1, features)
+    np.testing.assert_array_equal(var, haiku_stats[1][:, 0])
+    np.testing.assert_allclose(EqxBatchNormScan(port, state)(x), output(source, x), rtol=1e-5, atol=1e-5)

@@ -149,8 +149,10 @@ def _with_batch_norm_stats(module: eqx.nn.BatchNorm, state: eqx.nn.State, mean: 
     state = jax.tree.map(lambda x: x, state)
     if module.ema_state_index is not None:  # mode="ema"
         assert module.ema_first_time_index is not None
-        # Not "first time" any more: training must update these, not replace them.
-        state = state.set(module.ema_first_time_index, jnp.array(False))
+        # Not "first time" any more: training must update these, not replace them (one
+        # flag per step in a stacked State).
+        first_time = state.get(module.ema_first_time_index)
+        state = state.set(module.ema_first_time_index, jnp.zeros_like(first_time))
         return state.set(module.ema_state_index, (mean, var))
     assert module.batch_counter is not None and module.batch_state_index is not None
     counter = state.get(module.batch_counter)
