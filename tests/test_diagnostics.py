@@ -471,6 +471,27 @@ def test_pooling_histograms_of_different_ranges_raises():
         jax.block_until_ready(eqx.filter_jit(px.pool_stats)(per_example))
 
 
+def test_pooling_checks_the_bins_only_over_axes_the_range_was_not_shared_over():
+    # Two groups of examples at different scales, the range shared over the named
+    # (inner) vmap only: within a group the bins agree, between the groups they differ.
+    model = Deep(key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (2, 4, 3)) * jnp.array([1.0, 10.0])[:, None, None]
+    hooked = px.ForwardHook(model, log_fn=px.activation_stats(axis_name="batch"))
+    groups = jax.vmap(jax.vmap(hooked, axis_name="batch"))
+    with pytest.raises(Exception, match=r"histograms of layer '[\w.]+' have different bins"):
+        jax.block_until_ready(eqx.filter_jit(lambda xs: px.pool_stats(groups(xs)[1], 2))(xs))
+    # Over the shared axis alone the bins agree by construction: no check (a host
+    # callback) in the compiled step, and the counts are numpy's over the group.
+    one_group = jax.vmap(hooked, axis_name="batch")
+
+    def pooled(xs):
+        return px.pool_stats(one_group(xs)[1])
+
+    assert "callback" not in str(jax.make_jaxpr(pooled)(xs[1]))
+    out = np.asarray(jax.vmap(model)(xs[1]))
+    np.testing.assert_array_equal(jax.jit(pooled)(xs[1])["out"]["hist"].counts, np.histogram(out, 40)[0])
+
+
 @pytest.mark.parametrize("bins, value_range", [(40, (0.0, 10.0)), (7, (-2.0, 3.0)), (3, (0.1, 0.7))])
 def test_histogram_matches_numpy_at_bin_edges(bins, value_range):
     # The range in the data's precision, as the histogram logs it.

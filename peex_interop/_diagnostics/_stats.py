@@ -220,6 +220,9 @@ class Histogram(AbstractPooled):
     - `nan`: the number of NaNs.
     - `pool_mapped`: whether vmaps inside the model pool it (`px.HistogramLog`'s
         `pool`).
+    - `shared`: over how many of its leading (mapped) axes the bins agree by
+        construction: the number of vmaps the data's range was shared over, `None` for
+        an explicit `range`. Pooling checks the other axes' bins at run time.
 
     Logged under `jax.lax.scan` (or a vmap with `pool=False`), every field gains the
     leading axes.
@@ -231,6 +234,7 @@ class Histogram(AbstractPooled):
     above: Int[Array, "*batch"]
     nan: Int[Array, "*batch"]
     pool_mapped: bool = eqx.field(static=True, default=True)
+    shared: int | None = eqx.field(static=True, default=0)
 
     @property
     def low(self) -> Float[Array, "*batch"]:
@@ -261,16 +265,25 @@ class Histogram(AbstractPooled):
         time, inside jit too) if their bins differ, rather than add counts of
         different bins."""
         edges = self.edges[0]
+        counts = jnp.sum(self.counts, axis=0)
+        below, above, nan = (jnp.sum(field, axis=0) for field in (self.below, self.above, self.nan))
+        # Each vmap adds one leading axis: when the range was shared over at least as
+        # many vmaps as there are axes left, the pooled one is one of them and the bins
+        # agree. Only the other cases are checked at run time: the check is a host
+        # callback, which costs every call of the compiled step its C++ fast path.
+        if self.shared is None or self.shared >= jnp.ndim(self.below):
+            shared = self.shared if self.shared is None else self.shared - 1
+            return Histogram(counts, edges, below, above, nan, self.pool_mapped, shared)
         counts = eqx.error_if(
-            jnp.sum(self.counts, axis=0),
+            counts,
             jnp.any(self.edges != edges),
             f"px.pool_stats: the histograms of layer {where!r} have different bins (each "
             "example's range follows its own values), so their counts cannot be added. Give "
             "px.HistogramLog / px.activation_stats an explicit range=(low, high), or vmap with "
             "axis_name='batch' and pass axis_name='batch' to it so that all examples share one range.",
         )
-        below, above, nan = (jnp.sum(field, axis=0) for field in (self.below, self.above, self.nan))
-        return Histogram(counts, edges, below, above, nan, self.pool_mapped)
+        # The pooled axis may have been one of the shared ones.
+        return Histogram(counts, edges, below, above, nan, self.pool_mapped, max(self.shared - 1, 0))
 
 
 def _edges(index: Any, low: Any, high: Any, bins: int) -> Any:
@@ -292,23 +305,22 @@ def _edges(index: Any, low: Any, high: Any, bins: int) -> Any:
 
 
 @functools.cache
-def _counter(bins: int) -> Callable[[Any], Any]:
-    """`bincount(index, length=bins + 1)[:bins]` (index `bins`: in no bin), whose vmap
-    counts all the examples with one bincount of offset indices: vmapped, bincount
-    becomes a scatter with batch dimensions, several times slower on CPU."""
+def _counter(length: int) -> Callable[[Any], Any]:
+    """`bincount(index, length=length)`, whose vmap counts all the examples with one
+    bincount of offset indices: vmapped, bincount becomes a scatter with batch
+    dimensions, several times slower on CPU."""
 
     @custom_vmap
     def count(index):
-        return jnp.bincount(index, length=bins + 1)[:bins]
+        return jnp.bincount(index, length=length)
 
     @count.def_vmap
     def count_mapped(axis_size, in_batched, index):
         if not in_batched[0]:
             return count(index), False
         offsets = jnp.arange(axis_size, dtype=index.dtype).reshape(-1, *([1] * (index.ndim - 1)))
-        flat = jnp.ravel(index + offsets * (bins + 1))
-        counts = jnp.bincount(flat, length=axis_size * (bins + 1)).reshape(axis_size, bins + 1)
-        return counts[:, :bins], True
+        flat = jnp.ravel(index + offsets * length)
+        return jnp.bincount(flat, length=axis_size * length).reshape(axis_size, length), True
 
     return count
 
@@ -375,8 +387,10 @@ class HistogramLog(_AbstractStatisticLog):
         if self.range is None:
             names = tuple(dict.fromkeys(self._axis_names() + (mapped_axes() if self.pool else ())))
             low, high = _finite_range(x, names)
+            shared = len(names)
         else:
             low, high = (jnp.asarray(end, x.dtype) for end in self.range)
+            shared = None
         edge = functools.partial(_edges, low=low, high=high, bins=self.bins)
         # jnp.histogram lowers to a binary search plus a scatter-add; computing the bin
         # directly and counting with bincount is ~2x faster on CPU. The two corrections
@@ -384,10 +398,13 @@ class HistogramLog(_AbstractStatisticLog):
         index = jnp.clip(jnp.floor((x - low) / (high - low) * self.bins).astype(jnp.int32), 0, self.bins - 1)
         index = index - (x < edge(index))
         index = index + ((x >= edge(index + 1)) & (index != self.bins - 1))
-        inside = (x >= low) & (x <= high)
-        counts = _counter(self.bins)(jnp.where(inside, index, self.bins))
-        below, above, nan = (jnp.sum(mask, dtype=counts.dtype) for mask in (x < low, x > high, jnp.isnan(x)))
-        return Histogram(counts, edge(jnp.arange(self.bins + 1)), below, above, nan, self.pool)
+        # The values outside the bins go to three more slots (below, above, NaN), so
+        # that one bincount counts everything: no pass over the values per slot.
+        slot = jnp.where(x < low, self.bins, jnp.where(x > high, self.bins + 1, index))
+        counts = _counter(self.bins + 3)(jnp.where(jnp.isnan(x), self.bins + 2, slot))
+        below, above, nan = (counts[..., self.bins + i] for i in range(3))
+        edges = edge(jnp.arange(self.bins + 1))
+        return Histogram(counts[..., : self.bins], edges, below, above, nan, self.pool, shared)
 
     def _axis_names(self) -> tuple[Hashable, ...]:
         if self.axis_name is None:
@@ -548,4 +565,6 @@ def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
                 f"{axes} leading axes (the vmaps inside the model pool them already; pool only "
                 "the axes of a jax.vmap around the model)"
             )
-    return pool_log(log, num_axes)
+    # Under `px.Recorder.when_due`, pooling too runs only on due steps: a layer's
+    # pooling is a handful of small reductions, which add up over every layer.
+    return _when_due(lambda log: pool_log(log, num_axes), log)
