@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import itertools
+import math
 import re
 from typing import Any
 
@@ -58,13 +59,8 @@ def _sites(model: Any, kinds: tuple[str, ...], args: tuple, kwargs: dict) -> lis
     signature is the kind and the number of output values: it does not depend on layout
     (channels first or last, heads split or merged) or on whether a batch is vmapped."""
     rows = [row for row in summary(model, *args, **kwargs).rows if row.kind in kinds]
-    if not rows:
-        return []
-    shapes = eqx.filter_eval_shape(
-        lambda m: ForwardHook(m, log_fn=IdentityLog(), layer_names=_layers(r.key for r in rows))(*args, **kwargs)[1],
-        model,
-    )
-    return [(row.key, (row.kind, _first_array(shapes[row.key]).size)) for row in rows]
+    # A layer's log holds one output per call of its enclosing vmaps/scans (`lengths`).
+    return [(row.key, (row.kind, math.prod(row.lengths) * _first_array(row.output).size)) for row in rows]
 
 
 def align(model_a: Any, model_b: Any, *args: Any, kinds: tuple[str, ...] = DEFAULT_KINDS, **kwargs: Any) -> Alignment:
@@ -235,7 +231,6 @@ def compare(
     """
     alignment = alignment or align(model_a, model_b, *args, **kwargs)
     paths_a, paths_b = list(alignment.mapping), list(alignment.mapping.values())
-    stack_axes = [_stack_axes(model, args, kwargs) for model in (model_a, model_b)]
     _, log_a = ForwardHook(model_a, log_fn=IdentityLog(), layer_names=_layers(paths_a) or None)(*args, **kwargs)
     _, log_b = ForwardHook(model_b, log_fn=IdentityLog(), layer_names=_layers(paths_b) or None)(*args, **kwargs)
     if cotangents:
@@ -249,11 +244,15 @@ def compare(
         if cotangents:
             ct_abs, ct_rel, ct_excess = _tree_difference(ct_a[path_a], ct_b[path_b])
             diverged = diverged or ct_excess > tolerance
-        axes = stack_axes[0].get(path_a), stack_axes[1].get(path_b)
-        first_step = None
-        if diverged and None not in axes:
-            first_step = _first_diverging_step(log_a[path_a], log_b[path_b], axes, tolerance)
-        rows.append(ComparisonRow(path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(diverged), first_step))
+        rows.append(ComparisonRow(path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(diverged)))
+    if any(row.diverged for row in rows):
+        # Where layers of a scanned stack diverge: the step at which each first does.
+        stack_axes = [_stack_axes(model, args, kwargs) for model in (model_a, model_b)]
+        for i, row in enumerate(rows):
+            axes = stack_axes[0].get(row.path_a), stack_axes[1].get(row.path_b)
+            if row.diverged and None not in axes:
+                first_step = _first_diverging_step(log_a[row.path_a], log_b[row.path_b], axes, tolerance)
+                rows[i] = dataclasses.replace(row, first_step=first_step)
     return Comparison(tuple(rows), alignment, tolerance)
 
 
