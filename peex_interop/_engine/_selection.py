@@ -2,6 +2,7 @@
 
 import dataclasses
 import difflib
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ _WHERE_TAKES = (
 Predicate = Callable[[str, Any], bool]
 
 
+@functools.cache  # called per pattern at every call site while tracing
 def glob_to_regex(pattern: str) -> re.Pattern:
     """`*` is one path segment, `**` any number of segments, `?` one character."""
     out = []
