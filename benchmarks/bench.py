@@ -102,6 +102,28 @@ def inputs(shape, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
 
 
+class BareModule(eqx.Module):
+    """The cheapest `eqx.Module` around a raw call's arguments: one field, and Python's
+    own attribute lookup (as converted models have it). Under `jax.jit` it costs what
+    flattening one Equinox pytree node costs, a Python function where a dict flattens
+    in C++: the floor of any converted model's dispatch."""
+
+    args: Any
+    __getattribute__ = object.__getattribute__
+
+
+def jitted_raw(name, apply, args, x):
+    """A library's raw variants: "raw", `jax.jit(apply)(args, x)`; "raw (A/A)", the same
+    call as a second variant (the group's noise floor); on the tiny model "bare module",
+    `apply` under `jax.jit` reading `args` from a `BareModule`."""
+    raw = Variant(partial(jax.jit(apply), args, x))
+    calls = {"raw": raw, "raw (A/A)": raw}
+    if name == "tiny":
+        bare = jax.jit(lambda module, x: apply(module.args, x))
+        calls["bare module"] = Variant(partial(bare, BareModule(args), x))
+    return calls
+
+
 # ---------------------------------------------------------------- Equinox models
 
 
@@ -274,8 +296,7 @@ def haiku_variants(name, x):
     """`(px.from_haiku(...), batched, variants)`: raw = `jax.jit(transformed.apply)`."""
     transformed = hk.without_apply_rng(hk.transform(HAIKU_MODELS[name]))
     params = random_like(jax.eval_shape(transformed.init, jax.random.key(0), x))
-    return px.from_haiku(transformed, params), False, {
-        "raw": Variant(partial(jax.jit(transformed.apply), params, x)),
+    return px.from_haiku(transformed, params), False, jitted_raw(name, transformed.apply, params, x) | {
         "native log": Variant(partial(native_haiku_log(transformed), params, x), hooked_output),
     }
 
@@ -337,8 +358,8 @@ def nnx_variants(name, x):
         module = nnx.merge(graphdef, state)
         return nnx.capture(module, nnx.Intermediate, method_outputs=nnx.Intermediate)(x)
 
-    return px.from_nnx(module), False, {
-        "raw": Variant(partial(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)), state, x)),
+    raw = jitted_raw(name, lambda s, x: nnx.merge(graphdef, s)(x), state, x)
+    return px.from_nnx(module), False, raw | {
         "native log": Variant(partial(jax.jit(capture), state, x), hooked_output),
     }
 
@@ -385,8 +406,7 @@ def linen_variants(name, x):
     module = LINEN_MODELS[name]()
     variables = random_like(jax.eval_shape(module.init, jax.random.key(0), x))
     capture = partial(module.apply, capture_intermediates=True, mutable=["intermediates"])
-    return px.from_linen(module, variables), False, {
-        "raw": Variant(partial(jax.jit(module.apply), variables, x)),
+    return px.from_linen(module, variables), False, jitted_raw(name, module.apply, variables, x) | {
         "native log": Variant(partial(jax.jit(capture), variables, x), hooked_output),
     }
 
@@ -400,8 +420,9 @@ BUILDERS = {
 
 
 def forward_variants(library, name):
-    """Variant name -> `Variant`, for this library's model: its own jitted call ("raw")
-    and log-everything mechanism ("native log"), and ours on the converted model
+    """Variant name -> `Variant`, for this library's model: its own jitted call ("raw",
+    for `jax.jit` libraries also "raw (A/A)" and on the tiny model "bare module":
+    `jitted_raw`) and log-everything mechanism ("native log"), and ours on the converted model
     (Equinox: the model itself, so that its "unhooked" repeats "raw"), unhooked and
     hooked, under `eqx.filter_jit` and `jax.jit`."""
     x = inputs(input_shape(name))
@@ -676,7 +697,8 @@ def flatten_micros(tree, reps=2000):
 
 @dataclasses.dataclass
 class Row:
-    """One table row: `value` is a ratio, or a difference in seconds (`micros`)."""
+    """One table row: `value` is a ratio, or a difference in seconds (`micros`); `why`,
+    where this run measured what explains the value, says so with those numbers."""
 
     section: str
     label: str
@@ -686,6 +708,7 @@ class Row:
     value: float
     target: float | None
     micros: bool = False
+    why: str = ""
 
     @property
     def status(self):
@@ -712,22 +735,52 @@ def fmt(seconds):
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
 
 
-def ratio_row(section, label, model, medians, variant, baseline, target):
+def signed(seconds):
+    return ("-" if seconds < 0 else "+") + fmt(abs(seconds))
+
+
+def ratio_row(section, label, model, medians, variant, baseline, target, why=""):
     if variant not in medians or baseline not in medians:
         return None
     return Row(section, label, model, fmt(medians[variant]), fmt(medians[baseline]),
-               medians[variant] / medians[baseline], target)
+               medians[variant] / medians[baseline], target, why=why)
 
 
-def micros_row(section, label, model, medians, variant, baseline, target):
+def micros_row(section, label, model, medians, variant, baseline, target, why=""):
     if variant not in medians or baseline not in medians:
         return None
     return Row(section, label, model, fmt(medians[variant]), fmt(medians[baseline]),
-               medians[variant] - medians[baseline], target, micros=True)
+               medians[variant] - medians[baseline], target, micros=True, why=why)
 
 
-def forward_rows(library, name, medians):
-    model = f"{library} {name}"
+def flatten_text(flatten):
+    """`jax.tree.flatten` of each tiny call's arguments, from `run`'s `flatten`."""
+    return "`jax.tree.flatten` of the call's arguments: " + ", ".join(
+        f"{name} {micros:.2f} µs" for name, (_, micros) in flatten.items()
+    )
+
+
+def dispatch_whys(library, name, steady, flatten):
+    """`(eqx.filter_jit row's why, jax.jit row's why)` for a converted model, from this
+    run: `eqx.filter_jit`'s own dispatch (the same model under `jax.jit`; on the tiny
+    model, Equinox's raw model too), and on the tiny model the floor, the bare module."""
+    m = steady[library, name]
+    filter_jit = (f"eqx.filter_jit's own dispatch: the same converted model under jax.jit "
+                  f"costs {fmt(m['unhooked jax.jit'])} (eqx.filter_jit: "
+                  f"{signed(m['unhooked'] - m['unhooked jax.jit'])})")
+    if name != "tiny":
+        return filter_jit, ""
+    filter_jit += (f"; Equinox's own tiny model costs {fmt(steady['Equinox', 'tiny']['raw'])} "
+                   f"under eqx.filter_jit")
+    jit = (f"the floor: a bare eqx.Module around the raw call's arguments costs "
+           f"{m['bare module'] / m['raw']:.3f}x the raw call ({signed(m['bare module'] - m['raw'])}), "
+           f"ours {m['unhooked jax.jit'] / m['bare module']:.3f}x the floor; "
+           + flatten_text(flatten[library]))
+    return filter_jit, jit
+
+
+def forward_rows(library, name, steady, flatten):
+    medians, model = steady[library, name], f"{library} {name}"
     # peex 0.0.3 logs the transformer's six blocks only, ours every layer: reported.
     like_for_like = library != "Equinox" or name == "MLP"
     native = {"Equinox": "peex 0.0.3 IdentityLog", "Haiku": "hk.intercept_methods",
@@ -736,16 +789,24 @@ def forward_rows(library, name, medians):
     if name != "tiny":
         rows.append(ratio_row("log-everything", f"px IdentityLog / {native}", model, medians,
                               "log", "native log", 1.05 if like_for_like else None))
+    # Equinox's "unhooked" is its raw call again.
+    rows.append(ratio_row("dispatch", "A/A: the raw call timed twice (noise floor)", model, medians,
+                          "unhooked" if library == "Equinox" else "raw (A/A)", "raw", None))
     if library != "Equinox":
+        filter_jit, jit = dispatch_whys(library, name, steady, flatten)
         rows += [
             ratio_row("dispatch", "unhooked converted, eqx.filter_jit / raw jitted call",
-                      model, medians, "unhooked", "raw", 1.05),
+                      model, medians, "unhooked", "raw", 1.05, filter_jit),
             ratio_row("dispatch", "unhooked converted, jax.jit / raw jitted call", model,
-                      medians, "unhooked jax.jit", "raw", 1.05),
+                      medians, "unhooked jax.jit", "raw", 1.05, jit),
         ]
-    else:
-        rows.append(ratio_row("dispatch", "A/A: the raw call timed twice (noise floor)", model,
-                              medians, "unhooked", "raw", None))
+    if name == "tiny" and library != "Equinox":
+        rows += [
+            ratio_row("dispatch", "bare eqx.Module around the params, jax.jit / raw jitted call",
+                      model, medians, "bare module", "raw", None, flatten_text(flatten[library])),
+            ratio_row("dispatch", "unhooked converted, jax.jit / bare eqx.Module around the params",
+                      model, medians, "unhooked jax.jit", "bare module", 1.05),
+        ]
     # A few µs are measurable only where the call is all dispatch; on the bigger models
     # the difference is reported, within the A/A noise.
     target = 5e-6 if name == "tiny" else None
@@ -809,12 +870,12 @@ def compile_rows(first):
 
 def table(rows):
     lines = [
-        "| section | row | model | variant | baseline | ratio | target | status |",
-        "|---|---|---|---:|---:|---:|---|---|",
+        "| section | row | model | variant | baseline | ratio | target | status | why (this run) |",
+        "|---|---|---|---:|---:|---:|---|---|---|",
     ]
     lines += [
         f"| {r.section} | {r.label} | {r.model} | {r.variant} | {r.baseline} | {r.value_text} "
-        f"| {r.target_text} | {r.status} |"
+        f"| {r.target_text} | {r.status} | {r.why or '-'} |"
         for r in rows
     ]
     return "\n".join(lines)
@@ -868,19 +929,22 @@ def dispatch_findings(steady, flatten):
     eqx_raw = steady["Equinox", "tiny"]["raw"]
     parts = [f"Equinox's raw call (`eqx.filter_jit`) {fmt(eqx_raw)}"]
     for library in LIBRARIES[1:]:
-        m = steady[library, "tiny"]
-        leaves, micros = flatten[library]
+        m, (raw, bare, converted) = steady[library, "tiny"], flatten[library].values()
         parts.append(
-            f"{library}: raw `jax.jit` {fmt(m['raw'])}; the unhooked converted model under "
-            f"`jax.jit` {fmt(m['unhooked jax.jit'])} (+{fmt(m['unhooked jax.jit'] - m['raw'])}; "
-            f"`jax.tree.flatten` of it: {leaves} leaves, {micros:.1f} µs), under "
-            f"`eqx.filter_jit` {fmt(m['unhooked'])} (+{fmt(m['unhooked'] - m['unhooked jax.jit'])} "
-            f"over `jax.jit`: `eqx.filter_jit`'s own dispatch)"
+            f"{library}: raw `jax.jit` {fmt(m['raw'])} (its arguments flatten in {raw[1]:.2f} µs); "
+            f"a bare `eqx.Module` around them {fmt(m['bare module'])} "
+            f"({signed(m['bare module'] - m['raw'])}; flatten {bare[1]:.2f} µs); the unhooked "
+            f"converted model under `jax.jit` {fmt(m['unhooked jax.jit'])} "
+            f"({signed(m['unhooked jax.jit'] - m['bare module'])} over the bare module; flatten "
+            f"{converted[1]:.2f} µs, {converted[0]} leaves), under `eqx.filter_jit` "
+            f"{fmt(m['unhooked'])} ({signed(m['unhooked'] - m['unhooked jax.jit'])} over `jax.jit`: "
+            f"`eqx.filter_jit`'s own dispatch)"
         )
     return ("- **Dispatch, on the tiny model** (one Linear 4 -> 4: the call is all "
             "dispatch): " + "; ".join(parts) + ". A converted model's `eqx.filter_jit` "
             "call costs what `eqx.filter_jit` costs any Equinox model; under `jax.jit` the "
-            "gap to the raw call is the converted pytree's flattening.")
+            "gap to the raw call is mostly the bare module's: flattening one Equinox pytree "
+            "node, a Python function, where the raw call's arguments flatten in C++.")
 
 
 def findings(rows, steady, sizes, flatten, first, memory, unpooled):
@@ -890,10 +954,11 @@ def findings(rows, steady, sizes, flatten, first, memory, unpooled):
     checked = [r for r in rows if r.target is not None]
     lines = ["## Findings", "", "Computed by `benchmarks/bench.py` from this run.", "",
              f"- **Targets missed: {len(missed)} of {len(checked)} checked rows.**"]
-    lines += [f"  - {r.section}, {r.label}, {r.model}: {r.value_text} ({r.status})." for r in missed]
-    noise = [steady["Equinox", name]["unhooked"] / steady["Equinox", name]["raw"] for name in ("MLP", "transformer")]
-    lines.append(f"- **Noise floor**: the same Equinox call timed as two variants (A/A) gives "
-                 f"{span(noise)} on the MLP and transformer.")
+    lines += [f"  - {r.section}, {r.label}, {r.model}: {r.value_text} ({r.status})"
+              + (f": {r.why}." if r.why else ".") for r in missed]
+    noise = [r.value for r in rows if r.label.startswith("A/A")]
+    lines.append(f"- **Noise floor**: each library's raw call timed as two variants of its group "
+                 f"(A/A) gives {span(noise)} over the {len(noise)} groups.")
     lines.append(dispatch_findings(steady, flatten))
 
     parts = []
@@ -1002,7 +1067,12 @@ def header(budget, wall, quick):
         "the converted model (`px.from_haiku`, `px.from_nnx`, `px.from_linen`; Equinox: "
         "the model) unhooked, `px.ForwardHook(model)` (identity) and "
         "`px.ForwardHook(model, log_fn=px.IdentityLog())` (log), under `eqx.filter_jit` "
-        "and, where marked, `jax.jit`.\n\n"
+        "and, where marked, `jax.jit`. A/A = the raw call timed as a second variant of its "
+        "group (Equinox: the unhooked model, the same call). Bare module (tiny models) = "
+        "the raw `apply` under `jax.jit`, reading its arguments from a one-field "
+        "`eqx.Module` with Python's own `__getattribute__`: the cheapest Equinox pytree "
+        "around the raw arguments, the floor of a converted model's `jax.jit` dispatch. "
+        "The why column gives, where this run measured it, what explains a row's value.\n\n"
         "Statistics: a training step (`eqx.filter_jit` of `eqx.filter_value_and_grad` of "
         "the mean squared output and an `optax.adam` update) on the MLP, with "
         "`px.ForwardHook(model, log_fn=px.activation_stats())` on every layer (mean, std, "
@@ -1039,14 +1109,19 @@ def run(budget):
             steady[library, name] = medians
             model = f"{library} {name}"
             for variant, output in outputs.items():
-                if variant != "raw":
+                if variant not in ("raw", "raw (A/A)"):
                     diffs[model, variant] = max_abs_diff(output, outputs["raw"])
             if name != "transformer":
                 for variant in ("raw", "unhooked", "identity", "log", "native log"):
                     sizes[model, variant] = jaxpr_size(variants[variant].call)
-        if library != "Equinox":
-            converted, *_ = converted_model(library, "tiny")
-            flatten[library] = (len(jax.tree.leaves(converted)), flatten_micros(converted))
+            if name == "tiny" and library != "Equinox":
+                # What each call flattens: its arguments (`partial`'s).
+                flatten[library] = {
+                    label: (len(jax.tree.leaves(args)), flatten_micros(args))
+                    for label, args in (("raw", variants["raw"].call.args),
+                                        ("bare module", variants["bare module"].call.args),
+                                        ("converted", variants["unhooked jax.jit"].call.args))
+                }
 
         print(f"[{time.perf_counter() - start:4.0f} s] {library} training steps", file=sys.stderr)
         steps, ten = train_variants(library)
@@ -1089,7 +1164,7 @@ def main():
     rows = []
     for library in LIBRARIES:
         for name in ("MLP", "transformer", "tiny"):
-            rows += forward_rows(library, name, steady[library, name])
+            rows += forward_rows(library, name, steady, flatten)
     for library in LIBRARIES:
         rows += train_rows(library, steady[library, "train"])
     rows += memory_table_rows(memory) + compile_rows(first)

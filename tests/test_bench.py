@@ -22,7 +22,7 @@ def test_quick_bench_writes_the_page(tmp_path):
     )
     lines = out.read_text().splitlines()
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
-    rows = [c for c in cells if len(c) == 8 and c[0] != "section"]
+    rows = [c for c in cells if len(c) == 9 and c[0] != "section"]
     for section in ("log-everything", "dispatch", "statistics", "compile"):
         assert any(r[0] == section for r in rows), section
     for library in LIBRARIES:
@@ -31,6 +31,13 @@ def test_quick_bench_writes_the_page(tmp_path):
         assert any(r[0] == "statistics" and r[2] == f"{library} MLP" for r in rows)
     for r in rows:
         assert r[7] in ("ok", "report") or re.fullmatch(r"over by [\d.]+(%| µs)", r[7]), r
+    for library in LIBRARIES:
+        assert any(r[1].startswith("A/A") and r[2] == f"{library} MLP" for r in rows), library
+    # The tiny models' jax.jit dispatch is explained by its floor, measured in the run.
+    for library in LIBRARIES[1:]:
+        label = "unhooked converted, jax.jit / raw jitted call"
+        (jit,) = [r for r in rows if r[1] == label and r[2] == f"{library} tiny"]
+        assert jit[8].startswith("the floor: a bare eqx.Module"), jit
     outputs = lines.index("## Outputs of the hooked variants against raw")
     end = next(i for i in range(outputs + 1, len(lines)) if lines[i].startswith("## "))
     diffs = [[c.strip() for c in line.strip("|").split("|")] for line in lines[outputs:end] if line.startswith("| ")]
