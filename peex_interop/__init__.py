@@ -8,6 +8,7 @@ from ._adapters._function import (
     FunctionModule as FunctionModule,
     from_function as from_function,
 )
+from ._diagnostics._packing import PackedLog as PackedLog
 from ._diagnostics._recorder import Recorder as Recorder
 from ._diagnostics._sites import SiteRow as SiteRow, sites as sites
 from ._diagnostics._stats import (
@@ -148,6 +149,7 @@ __all__ = [
     "NearZeroLog",
     "NnxModule",
     "NoneLog",
+    "PackedLog",
     "Patched",
     "PeexInteropError",
     "Recorder",

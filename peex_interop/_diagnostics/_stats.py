@@ -28,6 +28,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from .._engine._context import ThreadStack, zeros_like
 from .._engine._pooling import AbstractPooled, is_pooled, mapped_axes, pool_log, pool_values
 from .._hooks._logs import AbstractLog, MeanLog
+from ._packing import PackedLog, Packing, num_leading_axes
 
 # Bound before hooking patches `jax.lax.cond` and `jax.eval_shape`: skipping a statistic
 # is no model transform, with no layer inside to thread logs out of.
@@ -168,6 +169,9 @@ class _AbstractStatisticLog(AbstractLog):
 
     def __call__(self, args: Any) -> Any:
         return _when_due(lambda a: _leafwise(lambda x: self.statistic(x).value, a), args)
+
+    def collect(self, log: dict[str, Any]) -> PackedLog:
+        return PackedLog(log)
 
 
 class StdLog(_AbstractStatisticLog):
@@ -421,26 +425,55 @@ class Stats(AbstractPooled, Mapping):
     model pool them (unless `pool_mapped` is False) and `px.pool_stats` pools the vmap
     around it. Logged under `jax.lax.scan` every value gains the leading axis.
 
-    **Fields:**
+    All its arrays travel packed in one buffer per dtype (`buffers`): a compiled step
+    that returns the statistics of every layer returns two arrays per layer, not a
+    dozen, and each output of a jitted function costs its call a few microseconds.
 
-    - `statistics`: each statistic in its pooling form (read them by name instead).
+    **Arguments:**
+
+    - `statistics`: statistic name -> its pooling form (a tree of `_Statistic`s or a
+        `px.Histogram`); read them back by name.
     - `pool_mapped`: whether vmaps inside the model pool it (`px.StatsLog`'s `pool`).
     """
 
-    statistics: dict[str, Any]
+    buffers: tuple[Array, ...]
+    names: tuple[str, ...] = eqx.field(static=True)
+    packing: Packing = eqx.field(static=True)
     pool_mapped: bool = eqx.field(static=True, default=True)
 
+    def __init__(self, statistics: dict[str, Any], pool_mapped: bool = True, *, _own_shapes=None):
+        self.names = tuple(statistics)
+        self.packing, self.buffers = Packing.pack(tuple(statistics.values()), _own_shapes)
+        self.pool_mapped = pool_mapped
+
+    @property
+    def statistics(self) -> dict[str, Any]:
+        """Each statistic in its pooling form."""
+        return {name: self.packing.unpack(self.buffers, i) for i, name in enumerate(self.names)}
+
+    @property
+    def num_leading_axes(self) -> int:
+        """The axes added by the vmaps and scans it was logged under."""
+        return num_leading_axes(self.buffers)
+
     def __getitem__(self, name: str) -> Any:
-        return jtu.tree_map(lambda s: s.value, self.statistics[name], is_leaf=is_pooled)
+        try:
+            index = self.names.index(name)
+        except ValueError:
+            raise KeyError(name) from None
+        return jtu.tree_map(lambda s: s.value, self.packing.unpack(self.buffers, index), is_leaf=is_pooled)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.statistics)
+        return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self.statistics)
+        return len(self.names)
 
     def pool(self, where: str) -> "Stats":
-        return Stats(pool_values(self.statistics, where), self.pool_mapped)
+        # Pooling keeps every array's own shape (and may change a histogram's static
+        # fields): the pooled statistics are packed along the same shapes.
+        pooled = {name: pool_values(value, where) for name, value in self.statistics.items()}
+        return Stats(pooled, self.pool_mapped, _own_shapes=self.packing.own_shapes())
 
 
 def _pooling_form(log: AbstractLog):
@@ -488,6 +521,9 @@ class StatsLog(AbstractLog):
     def __call__(self, args: Any) -> Stats:
         return _when_due(self._stats, args)
 
+    def collect(self, log: dict[str, Any]) -> PackedLog:
+        return PackedLog(log)
+
     def _stats(self, args: Any) -> Stats:
         forms = {name: _pooling_form(log) for name, log in self.logs.items()}
         return Stats({name: _leafwise(form, args) for name, form in forms.items()}, self.pool)
@@ -526,7 +562,7 @@ def activation_stats(
     )
 
 
-def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
+def pool_stats(log: Mapping[str, Any], num_axes: int = 1) -> Mapping[str, Any]:
     """Pool statistics (`px.Stats`, `px.Histogram`) over their leading `num_axes` axes,
     exactly (as if computed over all examples at once).
 
@@ -558,7 +594,11 @@ def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
             )
         # Each statistic has a per-group scalar (a histogram's `below`): its axes are
         # the ones to pool.
-        axes = min((jnp.ndim(leaf) for v in values for leaf in jtu.tree_leaves(v)), default=num_axes)
+        axes = min(
+            (v.num_leading_axes if isinstance(v, Stats) else jnp.ndim(leaf)
+             for v in values for leaf in jtu.tree_leaves(v)),
+            default=num_axes,
+        )
         if axes < num_axes:
             raise ValueError(
                 f"px.pool_stats(num_axes={num_axes}): the statistics of layer {path!r} have "
@@ -567,4 +607,9 @@ def pool_stats(log: dict[str, Any], num_axes: int = 1) -> dict[str, Any]:
             )
     # Under `px.Recorder.when_due`, pooling too runs only on due steps: a layer's
     # pooling is a handful of small reductions, which add up over every layer.
-    return _when_due(lambda log: pool_log(log, num_axes), log)
+    def pool(log: Mapping[str, Any]) -> Mapping[str, Any]:
+        pooled = pool_log(dict(log), num_axes)
+        # Pooled, a packed log stays packed: it is what the compiled step returns.
+        return PackedLog(pooled) if isinstance(log, PackedLog) else pooled
+
+    return _when_due(pool, log)

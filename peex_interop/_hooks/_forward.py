@@ -1,4 +1,4 @@
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -83,7 +83,7 @@ class ForwardHook(AbstractHookWrapper):
         self.pre_hook_fn = as_hook(pre_hook_fn)
         self.pre_log_fn = as_log(pre_log_fn)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Mapping[str, Any]]:
         """Evaluate the wrapped model.
 
         **Arguments:**
@@ -92,11 +92,14 @@ class ForwardHook(AbstractHookWrapper):
 
         **Returns:**
 
-        `(output, log)`: the model's (possibly hooked) output, and the log dictionary.
+        `(output, log)`: the model's (possibly hooked) output, and the log dictionary
+        (a `px.PackedLog` mapping for statistics logs).
         """
         with hooking(self.model, self) as context:
             output = context.root(*args, **kwargs)
-        return output, {**self.log, **context.logs}
+        if self.log or self.pre_log_fn is not None:
+            return output, {**self.log, **context.logs}
+        return output, self.log_fn.collect(context.logs)
 
     def run_site(self, context: HookContext, site: Site) -> Any:
         args, kwargs = site.args, site.kwargs

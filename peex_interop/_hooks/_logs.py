@@ -23,6 +23,12 @@ class AbstractLog(eqx.Module):
     def __call__(self, args: Any) -> Any:
         pass
 
+    def collect(self, log: dict[str, Any]) -> Mapping[str, Any]:
+        """What a `px.ForwardHook` returns as the log, given every layer's entry: the
+        dictionary itself, unless a log keeps its entries in another mapping (the
+        statistics logs pack theirs into few arrays)."""
+        return log
+
 
 class NoneLog(AbstractLog):
     """Records nothing."""
