@@ -94,6 +94,8 @@ class _Spread(_Statistic):
     @property
     def value(self) -> Any:
         # Records fetched to the host hold numpy arrays: they stay on the host.
+        if isinstance(self.var, jax.ShapeDtypeStruct):
+            return self.var
         return (jnp if isinstance(self.var, jax.Array) else np).sqrt(self.var)
 
     def pool(self, where: str) -> "_Spread":
