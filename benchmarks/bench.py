@@ -499,8 +499,8 @@ def converted_model(library, name, batch=None, seq=None):
 
 def train_variants(library):
     """`(steps, ten steps)`: training steps on the MLP, plain (the unhooked model), with
-    `px.activation_stats()` on every layer, and without its histogram; for Equinox also
-    ten steps with statistics on every 10th against ten plain steps (else `{}`)."""
+    `px.activation_stats()` on every layer, and without its histogram; and ten steps
+    with statistics on every 10th against ten plain steps."""
     model, x, batched = converted_model(library, "MLP")
     optimizer = optax.adam(1e-3)
     axis_name = "batch" if batched else None
@@ -515,8 +515,7 @@ def train_variants(library):
         step = train_step(optimizer, batched, variant != "train plain")
         # The updated parameters are the step's output: statistics must not change them.
         calls[variant] = Variant(partial(step, model_, opt_state, x), train_output)
-    ten = every_ten_variants(models["train stats"], calls, x, batched, optimizer) if library == "Equinox" else {}
-    return calls, ten
+    return calls, every_ten_variants(models["train stats"], calls, x, batched, optimizer)
 
 
 def train_output(result):
@@ -533,7 +532,8 @@ EVERY_TEN_TEXT = (
 
 def every_ten_variants(hooked, calls, x, batched, optimizer):
     """Ten training steps with statistics on every 10th (`Recorder.when_due`), against
-    ten plain steps (`calls["train plain"]`)."""
+    ten plain steps (`calls["train plain"]`); and one due step and one off-step of the
+    same compiled step, the parts of the ten."""
     recorder = px.Recorder(every=10)
     opt_state = optimizer.init(eqx.filter(hooked, eqx.is_inexact_array))
     step = partial(train_step(optimizer, batched, True, recorder), hooked, opt_state, x)
@@ -545,6 +545,8 @@ def every_ten_variants(hooked, calls, x, batched, optimizer):
     return {
         "10 steps, stats every 10": Variant(partial(ten, steps), train_output),
         "10 plain steps": Variant(partial(ten, [calls["train plain"].call] * 10), train_output),
+        "due step": Variant(steps[0], train_output),
+        "off-step": Variant(steps[1], train_output),
     }
 
 
@@ -819,15 +821,28 @@ def forward_rows(library, name, steady, flatten):
     return [r for r in rows if r is not None]
 
 
-def train_rows(library, medians):
+def train_rows(library, medians, sizes):
+    """The statistics rows of one library, each with what this run measured of its parts:
+    an off-step of `Recorder.when_due` (the hooks, a `lax.cond` per layer, the log's
+    zeros returned) and the due step, against a plain step."""
     model = f"{library} MLP"
+    plain = medians["10 plain steps"] / 10
+    off, due = medians["off-step"] / plain, medians["due step"] / plain
+    outputs = sizes[model, "train stats"][1] - sizes[model, "train plain"][1]
+    histogram = medians["train stats"] - medians["train stats no hist"]
     rows = [
         ratio_row("statistics", "train step, activation_stats without histogram / plain",
-                  model, medians, "train stats no hist", "train plain", 1.05),
+                  model, medians, "train stats no hist", "train plain", 1.05,
+                  f"an off-step (hooks, a lax.cond per layer, the log's {outputs} packed outputs, no "
+                  f"statistic computed) costs {off:.3f}x plain; the rest is computing mean, std, near-zero"),
         ratio_row("statistics", "train step, activation_stats with histogram / plain",
-                  model, medians, "train stats", "train plain", 1.25),
+                  model, medians, "train stats", "train plain", 1.25,
+                  f"the histograms add {histogram / medians['train plain']:.1%} of the plain step: "
+                  f"{histogram / DEPTH * 1e6:.0f} µs per layer of {S.mlp_batch * S.width:,} values"),
         ratio_row("statistics", "10 train steps, stats every 10 (Recorder.when_due) / 10 plain",
-                  model, medians, "10 steps, stats every 10", "10 plain steps", 1.03),
+                  model, medians, "10 steps, stats every 10", "10 plain steps", 1.03,
+                  f"an off-step costs {off:.3f}x a plain step, the due step {due:.3f}x: "
+                  f"(9 x {off:.3f} + {due:.3f}) / 10 = {(9 * off + due) / 10:.3f}"),
     ]
     return [r for r in rows if r is not None]
 
@@ -844,15 +859,23 @@ def memory_table_rows(memory):
     return rows
 
 
-def compile_rows(first):
+def compile_rows(first, sizes):
+    """The first-call rows; the log-hooked ones say what returning the log's values
+    costs a hand-written forward pass that returns the same values."""
     rows = []
     total = {k: sum(v) for k, v in first.items()}
+    values = {depth: sizes[f"scanned L={depth}", "log"][3] for depth in COMPILE_DEPTHS}
     for depth in COMPILE_DEPTHS:
         for variant in ("identity", "log"):
+            why = "" if variant == "identity" else (
+                f"returning the log's {values[depth]:,} values (raw: {sizes[f'scanned L={depth}', 'raw'][3]:,}): "
+                f"a hand-written forward pass returning the same values costs "
+                f"{total['by_hand', depth] / total['raw', depth]:.2f}x raw"
+            )
             rows.append(Row("compile", f"first call, {variant}-hooked / raw, L = {depth}",
                             f"Equinox scanned transformer L={depth}",
                             fmt(total[variant, depth]), fmt(total["raw", depth]),
-                            total[variant, depth] / total["raw", depth], 1.3))
+                            total[variant, depth] / total["raw", depth], 1.3, why=why))
     for depth in COMPILE_DEPTHS:
         rows.append(Row("compile", f"first call, log-hooked / the same outputs returned by a hand-written "
                         f"forward pass, L = {depth}", f"Equinox scanned transformer L={depth}",
@@ -862,9 +885,13 @@ def compile_rows(first):
     for variant in ("identity", "log"):
         hooked = total[variant, high] / total[variant, low]
         raw = total["raw", high] / total["raw", low]
+        why = "" if variant == "identity" else (
+            f"the log grows with L: {values[high]:,} values at L = {high}, {values[low]:,} at L = {low}; "
+            f"by hand the same values grow {total['by_hand', high] / total['by_hand', low] / raw:.2f}x raw's growth"
+        )
         rows.append(Row("compile", f"depth growth of first call: {variant}-hooked / raw "
                         f"(L = {high} over L = {low})", "Equinox scanned transformer",
-                        f"{hooked:.2f}x", f"{raw:.2f}x", hooked / raw, 1.1))
+                        f"{hooked:.2f}x", f"{raw:.2f}x", hooked / raw, 1.1, why=why))
     return rows
 
 
@@ -1132,14 +1159,13 @@ def run(budget):
             diffs[f"{library} MLP", variant] = max_abs_diff(outputs[variant], outputs["train plain"])
             sizes[f"{library} MLP", variant] = jaxpr_size(steps[variant].call)
         sizes[f"{library} MLP", "train plain"] = jaxpr_size(steps["train plain"].call)
-        if ten:
-            ten_medians, ten_outputs, reps[library, "every 10"] = interleaved(
-                ten, budget.train, budget.min_reps, budget.max_reps
-            )
-            diffs[f"{library} MLP", "10 steps, stats every 10"] = max_abs_diff(
-                ten_outputs["10 steps, stats every 10"], ten_outputs["10 plain steps"]
-            )
-            medians |= ten_medians
+        ten_medians, ten_outputs, reps[library, "every 10"] = interleaved(
+            ten, budget.train, budget.min_reps, budget.max_reps
+        )
+        diffs[f"{library} MLP", "10 steps, stats every 10"] = max_abs_diff(
+            ten_outputs["10 steps, stats every 10"], ten_outputs["10 plain steps"]
+        )
+        medians |= ten_medians
         steady[library, "train"] = medians
     print(f"[{time.perf_counter() - start:4.0f} s] first calls, memory", file=sys.stderr)
     for depth in COMPILE_DEPTHS:
@@ -1166,8 +1192,8 @@ def main():
         for name in ("MLP", "transformer", "tiny"):
             rows += forward_rows(library, name, steady, flatten)
     for library in LIBRARIES:
-        rows += train_rows(library, steady[library, "train"])
-    rows += memory_table_rows(memory) + compile_rows(first)
+        rows += train_rows(library, steady[library, "train"], sizes)
+    rows += memory_table_rows(memory) + compile_rows(first, sizes)
     order = ("log-everything", "dispatch", "statistics", "compile")
     rows.sort(key=lambda r: order.index(r.section))
     text = "\n\n".join([
