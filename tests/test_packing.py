@@ -59,6 +59,11 @@ def test_packed_logs_read_the_same_on_the_host_and_as_shapes(haiku_mlp):
                 assert (shape.shape, shape.dtype) == (got.shape, got.dtype)
     with pytest.raises(KeyError):
         log["no such layer"]
+    # Re-keyed (px.rename), it stays packed around the same buffers.
+    renamed = px.rename(log, {key: f"old/{key}" for key in log})
+    assert isinstance(renamed, px.PackedLog) and renamed.buffers == log.buffers
+    assert [f"old/{key}" for key in log] == list(renamed)
+    np.testing.assert_array_equal(renamed[f"old/{key}"]["hist"].counts, log[key]["hist"].counts)
 
 
 def test_packed_logs_keep_the_axes_of_a_vmap_around_the_model_and_pool_packed():

@@ -106,6 +106,16 @@ class PackedLog(eqx.Module, Mapping):
         self.keys_ = tuple(log)
         self.packing, self.buffers = Packing.pack(tuple(log.values()))
 
+    def with_keys(self, keys: tuple[str, ...]) -> "PackedLog":
+        """The same entries under new keys (in order), around the same buffers."""
+        if len(keys) != len(self.keys_):
+            raise ValueError(f"expected {len(self.keys_)} keys, got {len(keys)}")
+        # Built as unflattening builds a module: `__init__` would pack again.
+        renamed = object.__new__(PackedLog)
+        for name, value in (("buffers", self.buffers), ("keys_", keys), ("packing", self.packing)):
+            object.__setattr__(renamed, name, value)
+        return renamed
+
     def __getitem__(self, key: str) -> Any:
         try:
             index = self.keys_.index(key)

@@ -1,10 +1,13 @@
 import re
+from collections.abc import Mapping
 from typing import Any
+
+from .._diagnostics._packing import PackedLog
 
 _SUFFIX = re.compile(r"(@\d+)?(:in)?\Z")
 
 
-def rename(log: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
+def rename(log: Mapping[str, Any], mapping: dict[str, str]) -> Mapping[str, Any]:
     """Re-key a log: `path` -> `mapping[path]`, keeping repeated-call (`@n`) and pre-log
     (`:in`) suffixes; keys not in `mapping` are kept.
 
@@ -16,7 +19,8 @@ def rename(log: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
 
     **Returns:**
 
-    A new dict; the values are the same objects.
+    A new dict, the values the same objects; a `px.PackedLog` (a statistics log) stays
+    packed, re-keyed around the same buffers.
     """
     renamed = {}
     for key, value in log.items():
@@ -26,4 +30,6 @@ def rename(log: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
         if new in renamed:
             raise ValueError(f"rename maps two keys of the log to {new!r}")
         renamed[new] = value
+    if isinstance(log, PackedLog):
+        return log.with_keys(tuple(renamed))
     return renamed
