@@ -389,7 +389,13 @@ class HistogramLog(_AbstractStatisticLog):
     def statistic(self, x: Array) -> Histogram:
         # Counts have no gradient; this also keeps pmin/pmax (no differentiation rule)
         # usable inside a loss that is differentiated.
-        x = jnp.ravel(lax.stop_gradient(x))
+        # Materialised once, in its own shape: a layer's output is often no array yet
+        # (XLA fuses `dot + bias` into each of its consumers), and each of the ~8 passes
+        # below would recompute it, raveled: a flat index into the broadcast bias, an
+        # integer division per value. One copy instead: ~230 -> ~40 µs per 64x512 layer
+        # on CPU (Haiku MLP train step: 1.30x -> 1.16x the plain step). Only the slots
+        # are raveled, to count them.
+        x = lax.optimization_barrier(lax.stop_gradient(x))
         if self.range is None:
             names = tuple(dict.fromkeys(self._axis_names() + (mapped_axes() if self.pool else ())))
             low, high = _finite_range(x, names)
@@ -407,7 +413,7 @@ class HistogramLog(_AbstractStatisticLog):
         # The values outside the bins go to three more slots (below, above, NaN), so
         # that one bincount counts everything: no pass over the values per slot.
         slot = jnp.where(x < low, self.bins, jnp.where(x > high, self.bins + 1, index))
-        counts = _counter(self.bins + 3)(jnp.where(jnp.isnan(x), self.bins + 2, slot))
+        counts = _counter(self.bins + 3)(jnp.ravel(jnp.where(jnp.isnan(x), self.bins + 2, slot)))
         below, above, nan = (counts[..., self.bins + i] for i in range(3))
         edges = edge(jnp.arange(self.bins + 1))
         return Histogram(counts[..., : self.bins], edges, below, above, nan, self.pool, shared)
