@@ -95,6 +95,23 @@ def test_histogram_edges_in_the_data_range_match_numpy_exactly():
     np.testing.assert_array_equal(histogram.counts, np.histogram(x, 40)[0])
 
 
+def test_histograms_over_ranges_of_a_few_float_steps_count_exactly_against_their_edges():
+    # Edges repeat when the range spans few steps of the data's precision: the bins are
+    # then searched in the logged edges (numpy's fast path would put 1.0 in bin 1).
+    steps = (1 + np.arange(4) * np.finfo(np.float32).eps).astype(np.float32)
+    narrow = np.concatenate([steps, [np.nan, np.inf]]).astype(np.float32)
+    bfloat = (jax.random.normal(jax.random.key(4), (500,)) * 3 + 100).astype(jnp.bfloat16)
+    for bins, x in [(40, narrow), (200, bfloat)]:
+        histogram = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.jit(px.HistogramLog(bins))(x))
+        assert len(np.unique(histogram.edges)) < bins + 1  # the case at hand
+        assert_counts_every_value(histogram, np.asarray(x, np.float64))
+    # Under vmap each row has its own range: one narrow, one not.
+    rows = jnp.stack([jnp.resize(steps, 50), jax.random.normal(jax.random.key(5), (50,))])
+    stacked = jax.jit(jax.vmap(px.HistogramLog()))(rows)
+    for row in range(2):
+        assert_counts_every_value(jax.tree.map(lambda a: np.asarray(a[row]), stacked), np.asarray(rows[row]))
+
+
 def assert_stats_of(stats, x):
     """`stats` (of `px.activation_stats()`) are those of all the values `x`."""
     x = np.asarray(x)
