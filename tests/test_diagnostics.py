@@ -95,6 +95,17 @@ def test_histogram_edges_in_the_data_range_match_numpy_exactly():
     np.testing.assert_array_equal(histogram.counts, np.histogram(x, 40)[0])
 
 
+def test_a_histogram_over_a_range_wider_than_the_dtype_counts_exactly():
+    # float32 -3e38 .. 3e38: the width overflows (numpy refuses: "Cannot create 40
+    # finite-sized bins"); the edges stay finite and increasing, every value counted.
+    x = np.array([-3e38, 3e38, 0.0, 1e38, -2.9e38, 2.5e38], np.float32)
+    histogram = jax.jit(px.HistogramLog(bins=40))(x)
+    edges = np.asarray(histogram.edges)
+    assert np.isfinite(edges).all() and np.all(np.diff(edges) > 0)
+    assert (edges[0], edges[-1]) == (x.min(), x.max())
+    assert_counts_every_value(histogram, x)
+
+
 def test_histograms_over_ranges_of_a_few_float_steps_count_exactly_against_their_edges():
     # Edges repeat when the range spans few steps of the data's precision: the bins are
     # then searched in the logged edges (numpy's fast path would put 1.0 in bin 1).

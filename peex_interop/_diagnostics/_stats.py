@@ -305,9 +305,14 @@ def _edges(index: Any, low: Any, high: Any, bins: int) -> Any:
     # rounds it. (XLA's GPU division is not correctly rounded, so there an edge can
     # differ from numpy's in its last bit; the counts are exact for the edges logged, on
     # every backend.)
-    delta = high - low
+    # A range wider than the dtype's largest value (float32 values near -3e38 and 3e38)
+    # has an infinite width, which would make every edge NaN: it is then computed
+    # halved. Scaling by a power of two is exact, so other ranges keep numpy's bits.
+    scale = jnp.where(jnp.isfinite(high - low), 1, 2).astype(low.dtype)
+    delta = high / scale - low / scale
     step = delta / lax.optimization_barrier(delta - delta + bins)
-    return jnp.where(index == bins, high, lax.optimization_barrier(index.astype(low.dtype) * step) + low)
+    edge = (lax.optimization_barrier(index.astype(low.dtype) * step) + low / scale) * scale
+    return jnp.where(index == bins, high, edge)
 
 
 @functools.cache
@@ -484,9 +489,9 @@ class Stats(AbstractPooled, Mapping):
     model pool them (unless `pool_mapped` is False) and `px.pool_stats` pools the vmap
     around it. Logged under `jax.lax.scan` every value gains the leading axis.
 
-    All its arrays travel packed in one buffer per dtype (`buffers`): a compiled step
-    that returns the statistics of every layer returns two arrays per layer, not a
-    dozen, and each output of a jitted function costs its call a few microseconds.
+    Its arrays are packed in one buffer per dtype (`buffers`), as a `px.PackedLog`
+    packs the statistics of every layer: each output of a compiled step costs its every
+    call.
 
     **Arguments:**
 
