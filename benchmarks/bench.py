@@ -470,8 +470,9 @@ def stats_forward(batched):
 def train_step(optimizer, batched, hooked, recorder=None):
     """One jitted training step: forward, grad of the mean squared output, adam update;
     returns the updated model and optimizer state, and the statistics (hooked). With a
-    `recorder`, the step takes the step number (an array) and computes the statistics
-    only on the steps `recorder.when_due` picks."""
+    `recorder`, the step takes the step number (an array: decided under `lax.cond`; or
+    a Python int, static) and computes the statistics only on the steps
+    `recorder.when_due` picks."""
     run = stats_forward(batched) if hooked else forward(batched)
 
     def loss(model, x):
@@ -522,31 +523,39 @@ def train_output(result):
     return eqx.filter(result[0], eqx.is_inexact_array)
 
 
-# How `every=10` is run: one compiled step deciding under `lax.cond`.
+# How `every=10` is run: one compiled step deciding under `lax.cond`, or on the host.
 EVERY_TEN_TEXT = (
     "ten calls of one compiled statistics step that computes them only on due steps "
     "(`with recorder.when_due(step):` around the loss, `step` an array: `lax.cond`), "
-    "`px.Recorder(every=10)`"
+    "`px.Recorder(every=10)`; or decided on the host (`step` a Python int, static under "
+    "`eqx.filter_jit`: one program for due steps, one without statistics)"
 )
 
 
 def every_ten_variants(hooked, calls, x, batched, optimizer):
-    """Ten training steps with statistics on every 10th (`Recorder.when_due`), against
-    ten plain steps (`calls["train plain"]`); and one due step and one off-step of the
-    same compiled step, the parts of the ten."""
+    """Ten training steps with statistics on every 10th (`Recorder.when_due`) against
+    ten plain steps (`calls["train plain"]`): decided inside one compiled step (the step
+    number an array: `lax.cond`), or on the host (a Python int, static under
+    `eqx.filter_jit`: one program for due steps, one for the others). And ten off-steps
+    and ten due steps of each, the parts of the ten."""
     recorder = px.Recorder(every=10)
     opt_state = optimizer.init(eqx.filter(hooked, eqx.is_inexact_array))
     step = partial(train_step(optimizer, batched, True, recorder), hooked, opt_state, x)
-    steps = [partial(step, jnp.asarray(i)) for i in range(10)]
+    traced = [partial(step, jnp.asarray(i)) for i in range(10)]
+    # A Python int is static: each value its own program; 0 and 1 stand for the two
+    # (a loop would pass `recorder.due(i)`-like flags, not ten values).
+    on_host = [partial(step, 0)] + [partial(step, 1)] * 9
 
     def ten(steps):
         return [step() for step in steps][-1]
 
     return {
-        "10 steps, stats every 10": Variant(partial(ten, steps), train_output),
+        "10 steps, stats every 10": Variant(partial(ten, traced), train_output),
         "10 plain steps": Variant(partial(ten, [calls["train plain"].call] * 10), train_output),
-        "due step": Variant(steps[0], train_output),
-        "off-step": Variant(steps[1], train_output),
+        "10 off-steps": Variant(partial(ten, traced[1:2] * 10), train_output),
+        "10 due steps": Variant(partial(ten, traced[:1] * 10), train_output),
+        "10 steps, stats every 10, on the host": Variant(partial(ten, on_host), train_output),
+        "10 off-steps, on the host": Variant(partial(ten, on_host[1:2] * 10), train_output),
     }
 
 
@@ -822,27 +831,34 @@ def forward_rows(library, name, steady, flatten):
 
 
 def train_rows(library, medians, sizes):
-    """The statistics rows of one library, each with what this run measured of its parts:
-    an off-step of `Recorder.when_due` (the hooks, a `lax.cond` per layer, the log's
-    zeros returned) and the due step, against a plain step."""
+    """The statistics rows of one library, each with what this run measured of its
+    parts: ten off-steps and ten due steps of `Recorder.when_due` (decided in the
+    compiled step, or on the host) against ten plain steps."""
     model = f"{library} MLP"
-    plain = medians["10 plain steps"] / 10
-    off, due = medians["off-step"] / plain, medians["due step"] / plain
+    plain = medians["10 plain steps"]
+    off, due, host_off = (medians[v] / plain for v in ("10 off-steps", "10 due steps", "10 off-steps, on the host"))
     outputs = sizes[model, "train stats"][1] - sizes[model, "train plain"][1]
     histogram = medians["train stats"] - medians["train stats no hist"]
     rows = [
         ratio_row("statistics", "train step, activation_stats without histogram / plain",
                   model, medians, "train stats no hist", "train plain", 1.05,
-                  f"an off-step (hooks, a lax.cond per layer, the log's {outputs} packed outputs, no "
-                  f"statistic computed) costs {off:.3f}x plain; the rest is computing mean, std, near-zero"),
+                  f"with the statistics skipped (the hooks, the log's {outputs} packed outputs of zeros) a step "
+                  f"costs {host_off:.3f}x plain; the rest is computing mean, std, near-zero"),
         ratio_row("statistics", "train step, activation_stats with histogram / plain",
                   model, medians, "train stats", "train plain", 1.25,
                   f"the histograms add {histogram / medians['train plain']:.1%} of the plain step: "
                   f"{histogram / DEPTH * 1e6:.0f} µs per layer of {S.mlp_batch * S.width:,} values"),
-        ratio_row("statistics", "10 train steps, stats every 10 (Recorder.when_due) / 10 plain",
+        ratio_row("statistics", "10 train steps, stats every 10 in one compiled step "
+                  "(Recorder.when_due(array): lax.cond) / 10 plain",
                   model, medians, "10 steps, stats every 10", "10 plain steps", 1.03,
-                  f"an off-step costs {off:.3f}x a plain step, the due step {due:.3f}x: "
-                  f"(9 x {off:.3f} + {due:.3f}) / 10 = {(9 * off + due) / 10:.3f}"),
+                  f"ten off-steps cost {off:.3f}x ten plain steps, ten due steps {due:.3f}x: "
+                  f"(9 x {off:.3f} + {due:.3f}) / 10 = {(9 * off + due) / 10:.3f}; skipped on the host (no "
+                  f"lax.cond) an off-step costs {host_off:.3f}x: each layer's lax.cond takes its output, which "
+                  "XLA then stores where it would fuse it into the next operation (one extra fusion per layer)"),
+        ratio_row("statistics", "10 train steps, stats every 10 decided on the host "
+                  "(Recorder.when_due(int): two programs) / 10 plain",
+                  model, medians, "10 steps, stats every 10, on the host", "10 plain steps", 1.03,
+                  f"ten off-steps cost {host_off:.3f}x ten plain steps"),
     ]
     return [r for r in rows if r is not None]
 
@@ -1162,9 +1178,8 @@ def run(budget):
         ten_medians, ten_outputs, reps[library, "every 10"] = interleaved(
             ten, budget.train, budget.min_reps, budget.max_reps
         )
-        diffs[f"{library} MLP", "10 steps, stats every 10"] = max_abs_diff(
-            ten_outputs["10 steps, stats every 10"], ten_outputs["10 plain steps"]
-        )
+        for variant in ("10 steps, stats every 10", "10 steps, stats every 10, on the host"):
+            diffs[f"{library} MLP", variant] = max_abs_diff(ten_outputs[variant], ten_outputs["10 plain steps"])
         medians |= ten_medians
         steady[library, "train"] = medians
     print(f"[{time.perf_counter() - start:4.0f} s] first calls, memory", file=sys.stderr)

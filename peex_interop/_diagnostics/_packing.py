@@ -94,6 +94,10 @@ class PackedLog(eqx.Module, Mapping):
     they take a dict; `dict(log)` is the plain dictionary.
     """
 
+    # A compiled step's output, flattened at every call: see `AbstractConverted`'s
+    # `__getattribute__`.
+    __getattribute__ = object.__getattribute__
+
     buffers: tuple[Array, ...]
     keys_: tuple[str, ...] = eqx.field(static=True)
     packing: Packing = eqx.field(static=True)

@@ -14,6 +14,11 @@ class AbstractTransparent(eqx.Module):
 
     model: eqx.AbstractVar[Any]
 
+    # Trained as a model (a training step's input and output, with the optimiser's
+    # state of the same structure), a wrapper is flattened several times per call: see
+    # `AbstractConverted`'s `__getattribute__`.
+    __getattribute__ = object.__getattribute__
+
 
 class AbstractConverted(eqx.Module):
     """A model of another library exposed as one `eqx.Module`: its layers are not pytree

@@ -36,6 +36,10 @@ class AbstractPooled(eqx.Module):
     asked).
     """
 
+    # Part of a hooked model (or of its log), flattened at every call of a compiled
+    # step: see `AbstractConverted`'s `__getattribute__`.
+    __getattribute__ = object.__getattribute__
+
     @property
     @abstractmethod
     def pool_mapped(self) -> bool:

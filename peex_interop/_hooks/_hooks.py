@@ -26,6 +26,10 @@ class AbstractHook(eqx.Module):
     and traced step/example indices inside vmap/scan bodies).
     """
 
+    # Part of a hooked model (or of its log), flattened at every call of a compiled
+    # step: see `AbstractConverted`'s `__getattribute__`.
+    __getattribute__ = object.__getattribute__
+
     @abstractmethod
     def __call__(self, args: Any) -> Any:
         pass

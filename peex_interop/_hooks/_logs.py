@@ -19,6 +19,10 @@ class AbstractLog(eqx.Module):
     and, if its `__call__` takes a second argument, the `px.CallSite`.
     """
 
+    # Part of a hooked model (or of its log), flattened at every call of a compiled
+    # step: see `AbstractConverted`'s `__getattribute__`.
+    __getattribute__ = object.__getattribute__
+
     @abstractmethod
     def __call__(self, args: Any) -> Any:
         pass

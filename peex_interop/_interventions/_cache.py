@@ -39,4 +39,5 @@ def cache(
     `vmap`/`scan` body, values stacked along the mapped axes).
     """
     hooked = ForwardHook(model, log_fn=IdentityLog(), where=where, pre_log_fn=IdentityLog() if inputs else None)
-    return hooked(*args, **kwargs)
+    output, log = hooked(*args, **kwargs)
+    return output, dict(log)
