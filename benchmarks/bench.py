@@ -470,9 +470,9 @@ def stats_forward(batched):
 def train_step(optimizer, batched, hooked, recorder=None):
     """One jitted training step: forward, grad of the mean squared output, adam update;
     returns the updated model and optimizer state, and the statistics (hooked). With a
-    `recorder`, the step takes the step number (an array: decided under `lax.cond`; or
-    a Python int, static) and computes the statistics only on the steps
-    `recorder.when_due` picks."""
+    `recorder`, the step takes the step number (an array: decided under `lax.cond`) or
+    `recorder.due(i)` (a Python bool, static: two programs) and computes the statistics
+    only on due steps."""
     run = stats_forward(batched) if hooked else forward(batched)
 
     def loss(model, x):
@@ -481,7 +481,11 @@ def train_step(optimizer, batched, hooked, recorder=None):
 
     @eqx.filter_jit
     def step(model, opt_state, x, number=None):
-        with contextlib.nullcontext() if recorder is None else recorder.when_due(number):
+        if recorder is None:
+            due = contextlib.nullcontext()
+        else:
+            due = recorder.when(number) if isinstance(number, bool) else recorder.when_due(number)
+        with due:
             (_, log), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, x)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -527,8 +531,9 @@ def train_output(result):
 EVERY_TEN_TEXT = (
     "ten calls of one compiled statistics step that computes them only on due steps "
     "(`with recorder.when_due(step):` around the loss, `step` an array: `lax.cond`), "
-    "`px.Recorder(every=10)`; or decided on the host (`step` a Python int, static under "
-    "`eqx.filter_jit`: one program for due steps, one without statistics)"
+    "`px.Recorder(every=10)`; or decided on the host (`with recorder.when(due):`, `due = "
+    "recorder.due(step)` a Python bool, static under `eqx.filter_jit`: one program for due "
+    "steps, one without statistics)"
 )
 
 
@@ -542,9 +547,7 @@ def every_ten_variants(hooked, calls, x, batched, optimizer):
     opt_state = optimizer.init(eqx.filter(hooked, eqx.is_inexact_array))
     step = partial(train_step(optimizer, batched, True, recorder), hooked, opt_state, x)
     traced = [partial(step, jnp.asarray(i)) for i in range(10)]
-    # A Python int is static: each value its own program; 0 and 1 stand for the two
-    # (a loop would pass `recorder.due(i)`-like flags, not ten values).
-    on_host = [partial(step, 0)] + [partial(step, 1)] * 9
+    on_host = [partial(step, recorder.due(i)) for i in range(10)]
 
     def ten(steps):
         return [step() for step in steps][-1]
@@ -856,7 +859,7 @@ def train_rows(library, medians, sizes):
                   f"lax.cond) an off-step costs {host_off:.3f}x: each layer's lax.cond takes its output, which "
                   "XLA then stores where it would fuse it into the next operation (one extra fusion per layer)"),
         ratio_row("statistics", "10 train steps, stats every 10 decided on the host "
-                  "(Recorder.when_due(int): two programs) / 10 plain",
+                  "(Recorder.when(due): two programs) / 10 plain",
                   model, medians, "10 steps, stats every 10, on the host", "10 plain steps", 1.03,
                   f"ten off-steps cost {host_off:.3f}x ten plain steps"),
     ]

@@ -566,6 +566,30 @@ def test_recorder_when_due_computes_statistics_of_due_steps_in_one_compiled_step
     assert all(not np.any(leaf) for leaf in jtu.tree_leaves(logs[1]))
 
 
+def test_recorder_when_decides_on_the_host_with_two_compiled_steps():
+    hooked = px.ForwardHook(Deep(key=jax.random.key(0)), log_fn=px.activation_stats(axis_name="batch"))
+    recorder = px.Recorder(every=3)
+    traces = []
+
+    @eqx.filter_jit
+    def step(hooked, xs, due):
+        traces.append(due)
+        with recorder.when(due):
+            _, log = jax.vmap(hooked, axis_name="batch")(xs)
+        return px.pool_stats(log)
+
+    batches = [jax.random.normal(jax.random.key(i), (4, 3)) for i in range(5)]
+    logs = [step(hooked, xs, recorder.due(i)) for i, xs in enumerate(batches)]
+    assert traces == [True, False]  # one program with statistics, one without
+    direct = eqx.filter_jit(lambda h, xs: px.pool_stats(jax.vmap(h, axis_name="batch")(xs)[1]))
+    for i in (0, 3):
+        for got, expected in zip(jtu.tree_leaves(logs[i]), jtu.tree_leaves(direct(hooked, batches[i]))):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    assert all(not np.any(leaf) for leaf in jtu.tree_leaves(logs[1]))
+    with pytest.raises(TypeError, match="Python bool"):
+        recorder.when(jnp.asarray(True))
+
+
 def test_pool_stats_and_stats_log_refuse_what_does_not_pool():
     with pytest.raises(ValueError, match=r"layer 'layer' have 0 leading axes"):
         px.pool_stats({"layer": px.activation_stats()(jnp.ones(3))})

@@ -129,6 +129,29 @@ class Recorder(AbstractTabular):
         """
         return computed_when(self.due(step))
 
+    def when(self, due: bool) -> contextlib.AbstractContextManager[None]:
+        """Compute the statistics only if `due`, decided on the host: pass
+        `recorder.due(i)` to the compiled step as a static flag (`eqx.filter_jit` treats
+        a Python bool as static), which then compiles twice, a step with statistics and
+        one without. The statistics logs called inside the block log zeros when not
+        `due`, so both steps return a log of the same structure. Cheaper per step than
+        `when_due` on CPU (no `lax.cond` per layer; see `docs/benchmarks.md`).
+
+        **Arguments:**
+
+        - `due`: whether this step's statistics are recorded (a Python bool).
+
+        **Returns:**
+
+        A context manager.
+        """
+        if not isinstance(due, bool):
+            raise TypeError(
+                f"Recorder.when takes a Python bool (recorder.due(i)), got {type(due).__name__}; "
+                "for a step number inside the compiled step use recorder.when_due(i)"
+            )
+        return computed_when(due)
+
     def record(self, step: int, log: dict[str, Any]) -> bool:
         """Keep `log` (fetched to the host) if `step` is due.
 
