@@ -537,8 +537,11 @@ def test_histogram_matches_numpy_at_bin_edges(bins, value_range):
     assert (got.below, got.above) == (np.sum(values < low), np.sum(values > high))
 
 
-def test_recorder_when_due_computes_statistics_of_due_steps_in_one_compiled_step():
-    # The histograms share the batch's range (a collective) inside the lax.cond.
+@pytest.mark.parametrize("on_host", [False, True])
+def test_recorder_computes_statistics_of_due_steps_only(on_host):
+    # In one compiled step (`when_due` of a traced step: the histograms share the
+    # batch's range, a collective, inside the lax.cond), or decided on the host (`when`
+    # of `recorder.due(i)`, static: a step with statistics and one without).
     hooked = px.ForwardHook(Deep(key=jax.random.key(0)), log_fn=px.activation_stats(axis_name="batch"))
     recorder = px.Recorder(every=3)
     traces = []
@@ -546,16 +549,17 @@ def test_recorder_when_due_computes_statistics_of_due_steps_in_one_compiled_step
     @eqx.filter_jit
     def step(hooked, xs, i):
         traces.append(i)
-        with recorder.when_due(i):
+        with recorder.when(i) if on_host else recorder.when_due(i):
             _, log = jax.vmap(hooked, axis_name="batch")(xs)
         return px.pool_stats(log)
 
     batches = [jax.random.normal(jax.random.key(i), (4, 3)) for i in range(7)]
     logs = []
     for i, xs in enumerate(batches):
-        logs.append(step(hooked, xs, jnp.asarray(i)))
+        logs.append(step(hooked, xs, recorder.due(i) if on_host else jnp.asarray(i)))
         assert recorder.record(i, logs[-1]) == (i % 3 == 0)
-    assert len(traces) == 1 and recorder.steps == [0, 3, 6]
+    assert (traces == [True, False]) if on_host else len(traces) == 1
+    assert recorder.steps == [0, 3, 6]
     direct = eqx.filter_jit(lambda h, xs: px.pool_stats(jax.vmap(h, axis_name="batch")(xs)[1]))
     for record, i in zip(recorder.records, recorder.steps):
         want = direct(hooked, batches[i])
@@ -563,28 +567,6 @@ def test_recorder_when_due_computes_statistics_of_due_steps_in_one_compiled_step
         for got, expected in zip(jtu.tree_leaves(record), jtu.tree_leaves(want)):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
     # Other steps skip the work: zeros (no NaN), which record() ignores.
-    assert all(not np.any(leaf) for leaf in jtu.tree_leaves(logs[1]))
-
-
-def test_recorder_when_decides_on_the_host_with_two_compiled_steps():
-    hooked = px.ForwardHook(Deep(key=jax.random.key(0)), log_fn=px.activation_stats(axis_name="batch"))
-    recorder = px.Recorder(every=3)
-    traces = []
-
-    @eqx.filter_jit
-    def step(hooked, xs, due):
-        traces.append(due)
-        with recorder.when(due):
-            _, log = jax.vmap(hooked, axis_name="batch")(xs)
-        return px.pool_stats(log)
-
-    batches = [jax.random.normal(jax.random.key(i), (4, 3)) for i in range(5)]
-    logs = [step(hooked, xs, recorder.due(i)) for i, xs in enumerate(batches)]
-    assert traces == [True, False]  # one program with statistics, one without
-    direct = eqx.filter_jit(lambda h, xs: px.pool_stats(jax.vmap(h, axis_name="batch")(xs)[1]))
-    for i in (0, 3):
-        for got, expected in zip(jtu.tree_leaves(logs[i]), jtu.tree_leaves(direct(hooked, batches[i]))):
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
     assert all(not np.any(leaf) for leaf in jtu.tree_leaves(logs[1]))
     with pytest.raises(TypeError, match="Python bool"):
         recorder.when(jnp.asarray(True))
