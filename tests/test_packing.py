@@ -81,6 +81,11 @@ def test_packed_logs_keep_the_axes_of_a_vmap_around_the_model_and_pool_packed():
         np.testing.assert_allclose(pooled[key]["std"], values.std(), rtol=1e-5)
         histogram = pooled[key]["hist"]
         np.testing.assert_array_equal(histogram.counts, np.histogram(values, bins=np.asarray(histogram.edges))[0])
+    # The packed axis must stay last: a vmap putting its axis after it is refused on
+    # reading, not sliced across examples.
+    _, moved = jax.vmap(hooked, axis_name="batch", out_axes=(0, 1))(xs)
+    with pytest.raises(ValueError, match="out_axes=0"):
+        moved["layers.0"]
 
 
 def test_a_log_holding_entries_of_other_logs_stays_a_dict(haiku_mlp):

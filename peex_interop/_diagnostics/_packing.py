@@ -65,6 +65,16 @@ class Packing(eqx.Module):
         """Entry `index`, from buffers of jax or (fetched to the host) numpy arrays, or
         of `jax.ShapeDtypeStruct`s (what `jax.eval_shape` gives)."""
         lead = buffers[0].shape[:-1] if buffers else ()
+        # A vmap or scan around the packed value must add its axes in front: with
+        # `out_axes=1` the packed axis is no longer last, and slices would cut across
+        # examples instead of statistics.
+        sizes = self.sizes()
+        if [tuple(buffer.shape) for buffer in buffers] != [(*lead, size) for size in sizes]:
+            raise ValueError(
+                f"packed statistics: buffers of shapes {[tuple(b.shape) for b in buffers]}, expected "
+                f"{', '.join(f'(..., {size})' for size in sizes)} with the same leading axes: a vmap or "
+                "scan over a statistics log must put its axes first (out_axes=0)"
+            )
 
         def leaf(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
             if isinstance(buffer, jax.ShapeDtypeStruct):
@@ -73,6 +83,14 @@ class Packing(eqx.Module):
 
         leaves = [leaf(buffers[b], start, stop, shape) for b, start, stop, shape in self.spans[index]]
         return jtu.tree_unflatten(self.treedefs[index], leaves)
+
+    def sizes(self) -> list[int]:
+        """The length of each buffer (its last axis)."""
+        sizes = [0] * (1 + max((b for spans in self.spans for b, *_ in spans), default=-1))
+        for spans in self.spans:
+            for b, _, stop, _ in spans:
+                sizes[b] = max(sizes[b], stop)
+        return sizes
 
     def own_shapes(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
         return tuple(tuple(shape for *_, shape in spans) for spans in self.spans)
