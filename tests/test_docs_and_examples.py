@@ -36,6 +36,10 @@ def example_runs(tmp_path_factory):
     when this module starts: as many at a time as there are cores, in the background of
     the snippet tests, since each mostly waits on its own imports and XLA compiles."""
 
+    # Created here, once: the threads below would race to create the session's base
+    # folder (FileExistsError, or one thread's cleanup removing another's folder).
+    tmp_path_factory.getbasetemp()
+
     def run(example):
         cwd = tmp_path_factory.mktemp(example.stem)
         command = [sys.executable, str(example)]
