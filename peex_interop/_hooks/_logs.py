@@ -73,7 +73,7 @@ class FunctionLog(AbstractLog):
         return takes_site(self.fn)
 
     def __call__(self, args: Any, site: CallSite | None = None) -> Any:
-        return call_with_site(self.fn, args, site)
+        return self.fn(args, site) if self.takes_site else self.fn(args)
 
 
 class LogMap(AbstractLog):
