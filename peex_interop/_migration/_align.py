@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
@@ -201,9 +202,17 @@ def _loss(output: Any) -> Any:
     return 0.5 * sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(output))
 
 
+# Compiled, not eager: an eager run compiles each operation of the model on its own.
+@eqx.filter_jit
+def _outputs(model: Any, paths: list[str], args: tuple, kwargs: dict) -> Mapping[str, Any]:
+    return ForwardHook(model, log_fn=IdentityLog(), layer_names=paths or None)(*args, **kwargs)[1]
+
+
+@eqx.filter_jit
 def _cotangents(model: Any, paths: list[str], args: tuple, kwargs: dict) -> dict:
     hooked = BackwardHook(model, log_fn=IdentityLog(), layer_names=paths).init(*args, **kwargs)
     return eqx.filter_grad(lambda h: _loss(h(*args, **kwargs)))(hooked).log
+
 
 def compare(
     model_a: Any,
@@ -231,8 +240,8 @@ def compare(
     """
     alignment = alignment or align(model_a, model_b, *args, **kwargs)
     paths_a, paths_b = list(alignment.mapping), list(alignment.mapping.values())
-    _, log_a = ForwardHook(model_a, log_fn=IdentityLog(), layer_names=_layers(paths_a) or None)(*args, **kwargs)
-    _, log_b = ForwardHook(model_b, log_fn=IdentityLog(), layer_names=_layers(paths_b) or None)(*args, **kwargs)
+    log_a = _outputs(model_a, _layers(paths_a), args, kwargs)
+    log_b = _outputs(model_b, _layers(paths_b), args, kwargs)
     if cotangents:
         ct_a = _cotangents(model_a, _layers(paths_a), args, kwargs)
         ct_b = _cotangents(model_b, _layers(paths_b), args, kwargs)
