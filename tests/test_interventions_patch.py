@@ -82,6 +82,34 @@ def test_patching_every_layer_gives_the_clean_output(model, inputs, clean_cache)
     close(run(px.patch(model, only(clean_cache, "head:in"), inputs=True), corrupted), clean_out)
 
 
+class MaskedAttention(eqx.Module):
+    """Equinox's attention per example, called with keyword arguments (a mask that
+    depends on the input, or None; a Python flag)."""
+
+    attn: eqx.nn.MultiheadAttention
+    causal: bool = eqx.field(static=True)
+
+    def __call__(self, xs):
+        def one(x):
+            keep = jnp.broadcast_to(x[:, 0] > -0.5, (len(x), len(x)))
+            mask = jnp.tril(keep) | jnp.eye(len(x), dtype=bool) if self.causal else None
+            return self.attn(x, x, x, mask=mask, inference=True)
+
+        return jax.vmap(one)(xs)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_patched_inputs_keep_their_keyword_arguments(causal):
+    model = MaskedAttention(eqx.nn.MultiheadAttention(2, 4, key=jax.random.key(0)), causal)
+    clean, corrupted = (jax.random.normal(jax.random.key(i), (2, T, 4)) for i in (1, 2))
+    assert not np.allclose(model(corrupted), model(clean), atol=1e-3)
+    _, cache = jitted(lambda m, x: px.cache(m, x, inputs=True, where="attn"), model, clean)
+    _, kwargs = cache["attn:in"]
+    assert (kwargs["mask"] is None) == (not causal)
+    # The clean queries, keys, values and mask in place: the clean output, per example.
+    close(run(px.patch(model, cache, "attn", inputs=True), corrupted), model(clean))
+
+
 def at_step_1(current, cached, site):
     return jnp.where(site.step == 1, cached, current)
 
