@@ -86,6 +86,12 @@ def test_packed_logs_keep_the_axes_of_a_vmap_around_the_model_and_pool_packed():
     _, moved = jax.vmap(hooked, axis_name="batch", out_axes=(0, 1))(xs)
     with pytest.raises(ValueError, match="out_axes=0"):
         moved["layers.0"]
+    # Also where the vmap's length equals the buffer's: one std per layer, 3 layers.
+    stds = px.ForwardHook(model, log_fn=px.StdLog())
+    assert jax.tree.leaves(stds(xs[0])[1])[0].shape[-1] == 3
+    _, moved = jax.vmap(stds, out_axes=(0, 1))(xs[:3])
+    with pytest.raises(ValueError, match="out_axes=0"):
+        moved["layers.0"]
 
 
 def test_a_log_holding_entries_of_other_logs_stays_a_dict(haiku_mlp):

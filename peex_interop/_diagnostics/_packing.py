@@ -5,6 +5,12 @@ array to build, a leaf to flatten and unflatten (measured on a 2-core CPU: ~12 Â
 output, 3% of an MLP training step for 24 small outputs). The statistics of every layer
 are a few scalars and counts per layer, so they leave the step as two arrays (floats,
 counts) instead of dozens, and are unpacked, by slicing, where they are read.
+
+A buffer is `(1, size)`, not `(size,)`: a vmap or scan over a packed value adds its axes
+in front, and with `out_axes=1` (or later) it would add one after the packed axis, where
+slices would cut across examples. The unit axis shows where every added axis went,
+whatever its length; a buffer of `(n, size)` could not tell `out_axes=1` over `size`
+examples from `out_axes=0`.
 """
 
 import math
@@ -26,7 +32,8 @@ class Packing(eqx.Module):
     """Where the arrays of some entries (pytrees) lie in one flat buffer per dtype: per
     entry its structure, and per array its buffer, span and own shape. Arrays gain
     leading axes after packing (vmaps, scans over the packed value): their own shape
-    stays the trailing part."""
+    stays the trailing part. Buffers are `(*leading, 1, size)` (see the module's
+    docstring)."""
 
     treedefs: tuple[Any, ...]
     spans: tuple[tuple[_Span, ...], ...]
@@ -58,28 +65,27 @@ class Packing(eqx.Module):
                 sizes[buffer] += size
                 parts[buffer].append(jnp.reshape(leaf, (*lead, size)))
             spans.append(tuple(entry_spans))
-        buffers = tuple(jnp.concatenate(part, axis=-1) for part in parts)
+        buffers = tuple(jnp.concatenate(part, axis=-1)[..., None, :] for part in parts)
         return Packing(tuple(treedef for _, treedef in flat), tuple(spans)), buffers
 
     def unpack(self, buffers: tuple[Any, ...], index: int) -> Any:
         """Entry `index`, from buffers of jax or (fetched to the host) numpy arrays, or
         of `jax.ShapeDtypeStruct`s (what `jax.eval_shape` gives)."""
-        lead = buffers[0].shape[:-1] if buffers else ()
-        # A vmap or scan around the packed value must add its axes in front: with
-        # `out_axes=1` the packed axis is no longer last, and slices would cut across
-        # examples instead of statistics.
+        lead = buffers[0].shape[:-2] if buffers else ()
+        # A vmap or scan around the packed value must add its axes in front of the unit
+        # axis: after it, slices would cut across examples instead of statistics.
         sizes = self.sizes()
-        if [tuple(buffer.shape) for buffer in buffers] != [(*lead, size) for size in sizes]:
+        if [tuple(buffer.shape) for buffer in buffers] != [(*lead, 1, size) for size in sizes]:
             raise ValueError(
                 f"packed statistics: buffers of shapes {[tuple(b.shape) for b in buffers]}, expected "
-                f"{', '.join(f'(..., {size})' for size in sizes)} with the same leading axes: a vmap or "
-                "scan over a statistics log must put its axes first (out_axes=0)"
+                f"{', '.join(f'(..., 1, {size})' for size in sizes)} with the same leading axes: a vmap "
+                "or scan over a statistics log must put its axes first (out_axes=0)"
             )
 
         def leaf(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
             if isinstance(buffer, jax.ShapeDtypeStruct):
                 return jax.ShapeDtypeStruct((*lead, *shape), buffer.dtype)
-            return buffer[..., start:stop].reshape((*lead, *shape))
+            return buffer[..., 0, start:stop].reshape((*lead, *shape))
 
         leaves = [leaf(buffers[b], start, stop, shape) for b, start, stop, shape in self.spans[index]]
         return jtu.tree_unflatten(self.treedefs[index], leaves)
@@ -98,7 +104,7 @@ class Packing(eqx.Module):
 
 def num_leading_axes(buffers: tuple[Any, ...]) -> int:
     """The axes added to packed buffers since they were packed."""
-    return np.ndim(buffers[0]) - 1 if buffers else 0
+    return np.ndim(buffers[0]) - 2 if buffers else 0
 
 
 class PackedLog(eqx.Module, Mapping):
