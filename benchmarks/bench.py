@@ -114,10 +114,12 @@ class BareModule(eqx.Module):
 
 def jitted_raw(name, apply, args, x):
     """A library's raw variants: "raw", `jax.jit(apply)(args, x)`; "raw (A/A)", the same
-    call as a second variant (the group's noise floor); on the tiny model "bare module",
-    `apply` under `jax.jit` reading `args` from a `BareModule`."""
+    call as a second variant (the group's noise floor); "raw eqx.filter_jit", `apply`
+    itself under `eqx.filter_jit` (what that jit costs with no conversion); on the tiny
+    model "bare module", `apply` under `jax.jit` reading `args` from a `BareModule`."""
     raw = Variant(partial(jax.jit(apply), args, x))
     calls = {"raw": raw, "raw (A/A)": raw}
+    calls["raw eqx.filter_jit"] = Variant(partial(eqx.filter_jit(apply), args, x))
     if name == "tiny":
         bare = jax.jit(lambda module, x: apply(module.args, x))
         calls["bare module"] = Variant(partial(bare, BareModule(args), x))
@@ -783,7 +785,8 @@ def dispatch_whys(library, name, steady, flatten):
     run: `eqx.filter_jit`'s own dispatch (the same model under `jax.jit`; on the tiny
     model, Equinox's raw model too), and on the tiny model the floor, the bare module."""
     m = steady[library, name]
-    filter_jit = (f"eqx.filter_jit's own dispatch: the same converted model under jax.jit "
+    filter_jit = (f"eqx.filter_jit's own cost: the raw call itself under eqx.filter_jit costs "
+                  f"{m['raw eqx.filter_jit'] / m['raw']:.3f}x; the same converted model under jax.jit "
                   f"costs {fmt(m['unhooked jax.jit'])} (eqx.filter_jit: "
                   f"{signed(m['unhooked'] - m['unhooked jax.jit'])})")
     if name != "tiny":
@@ -821,6 +824,8 @@ def forward_rows(library, name, steady, flatten, sizes):
         rows += [
             ratio_row("dispatch", "unhooked converted, eqx.filter_jit / raw jitted call",
                       model, medians, "unhooked", "raw", 1.05, filter_jit),
+            ratio_row("dispatch", "unhooked converted, eqx.filter_jit / raw call under eqx.filter_jit",
+                      model, medians, "unhooked", "raw eqx.filter_jit", 1.05),
             ratio_row("dispatch", "unhooked converted, jax.jit / raw jitted call", model,
                       medians, "unhooked jax.jit", "raw", 1.05, jit),
         ]
@@ -1114,7 +1119,9 @@ def header(budget, wall, quick):
         "log them. Parameters are NumPy draws (`tests/models.py: random_like`).\n\n"
         "Variants: raw = the library's own jitted call (`eqx.filter_jit` of the Equinox "
         "model; `jax.jit(transformed.apply)`; `jax.jit` of `nnx.merge(graphdef, state)(x)`; "
-        "`jax.jit(module.apply)`). Native log = the library's own way to log every layer: "
+        "`jax.jit(module.apply)`); raw under eqx.filter_jit = the same `apply` under "
+        "`eqx.filter_jit` instead (what that jit costs with no conversion). Native log = "
+        "the library's own way to log every layer: "
         "peex 0.0.3 `peex.ForwardHook(model, log_fn=peex.IdentityLog())` (Equinox), "
         "`hk.intercept_methods` recording each `__call__` output by module name, "
         "`nnx.capture(module, nnx.Intermediate, method_outputs=nnx.Intermediate)` inside "
