@@ -135,9 +135,6 @@ def test_step_errors(model):
         px.ForwardHook(model, where="blocks.7.attn")(x)
     with pytest.raises(px.HookError, match=r"'blocks\.attn\.9' selected no call"):
         px.ForwardHook(model, where="blocks.attn.9")(x)
-    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where="blocks.1.attn")
-    with pytest.raises(px.HookError, match="BackwardHook selects whole layers"):
-        hooked.init(x)
 
 
 def check_step_one(out, log, key, kernels, biases, x):
@@ -152,6 +149,33 @@ def check_step_one(out, log, key, kernels, biases, x):
     assert set(log) == {key}
     close(out, h)
     close(log[key], logged)
+
+
+def check_backward_step_one(model, x, key, kernels, biases):
+    """A stack of `tanh(h @ kernel + bias)` steps with a BackwardHook at step 1 (`key`)
+    that doubles and logs the cotangent of that step's output: the log and the input's
+    gradient equal the loop's, written out (`2 y - stop_gradient(y)` doubles it)."""
+
+    def loop(x, delta):
+        h = x
+        for i in range(STEPS):
+            y = h @ kernels[i] + biases[i]
+            if i == 1:
+                y = y + delta
+                y = 2 * y - jax.lax.stop_gradient(y)
+            h = jnp.tanh(y)
+        return h
+
+    def loss(out):
+        return jnp.sum(jnp.sin(3 * out))
+
+    grad_x, cotangent = jax.grad(lambda x, d: loss(loop(x, d)), argnums=(0, 1))(x, jnp.zeros(W))
+    hooked = px.BackwardHook(model, hook_fn=lambda c: 2 * c, log_fn=px.IdentityLog(), where=key).init(x)
+    with jax.checking_leaks():
+        grads, grads_x = eqx.filter_jit(eqx.filter_grad(lambda hx: loss(hx[0](hx[1]))))((hooked, x))
+    assert set(grads.log) == {key} and grads.log[key].shape == (W,)
+    close(grads.log[key], cotangent)
+    close(grads_x, grad_x)
 
 
 def test_one_step_of_an_nnx_stack():
@@ -176,6 +200,8 @@ def test_one_step_of_an_nnx_stack():
     out, log = jitted(px.ForwardHook(px.from_nnx(module), hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(),
                                      where="blocks.1.lin"), x)
     check_step_one(out, log, "blocks.1.lin", module.blocks.lin.kernel[...], module.blocks.lin.bias[...], x)
+    check_backward_step_one(px.from_nnx(module), x, "blocks.1.lin", module.blocks.lin.kernel[...],
+                            module.blocks.lin.bias[...])
 
 
 def test_one_step_of_a_haiku_layer_stack():
@@ -191,9 +217,30 @@ def test_one_step_of_a_haiku_layer_stack():
     # The stack's body calls no module of its own: the step follows the linear.
     out, log = jitted(px.ForwardHook(model, hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(), where="blocks.lin.1"), x)
     check_step_one(out, log, "blocks.lin.1", params["blocks/lin"]["w"], params["blocks/lin"]["b"], x)
+    check_backward_step_one(model, x, "blocks.lin.1", params["blocks/lin"]["w"], params["blocks/lin"]["b"])
     # The whole stack is named by its parameters' path, as px.module_paths lists it.
     _, whole = px.ForwardHook(model, log_fn=px.IdentityLog(), where="blocks.lin")(x)
     assert "blocks.lin" in px.module_paths(model) and whole["blocks.lin"].shape == (STEPS, W)
+
+
+def test_backward_hook_at_one_step_of_an_equinox_stack(model):
+    # The cotangent of step 1's attention output (per position: the block's own vmap)
+    # logged; then zeroed there, while the other steps' flow as they were.
+    x = tokens()
+    grad = eqx.filter_jit(eqx.filter_grad(lambda h, x: jnp.sum(jnp.sin(h(x)))))
+    with jax.checking_leaks():
+        logged = grad(px.BackwardHook(model, log_fn=px.IdentityLog(), where="blocks.1.attn").init(x), x)
+        zeroed = grad(px.BackwardHook(model, hook_fn=lambda c: 0 * c, where="blocks.1.attn").init(x), x)
+    deltas = jnp.zeros((STEPS, *x.shape, 8))
+    cotangents = jax.grad(lambda d: jnp.sum(jnp.sin(manual(model, x, lambda i, a: a + d[i])[0])))(deltas)
+    assert set(logged.log) == {"blocks.1.attn"}
+    close(logged.log["blocks.1.attn"], cotangents[1])
+    cut = eqx.filter_grad(
+        lambda m: jnp.sum(jnp.sin(manual(m, x, lambda i, a: jax.lax.stop_gradient(a) if i == 1 else a)[0]))
+    )(model)
+    jax.tree.map(close, zeroed.model, cut)
+    # The edit changed the gradients (of the layers before step 1's attention).
+    assert not all(map(jnp.allclose, jax.tree.leaves(zeroed.model), jax.tree.leaves(logged.model)))
 
 
 def test_backward_hooks_take_the_site(model):
@@ -227,3 +274,4 @@ def test_one_step_of_a_linen_scan():
     out, log = jitted(px.ForwardHook(model, hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(), where="blocks.1.lin"), x)
     dense = variables["params"]["blocks"]["lin"]
     check_step_one(out, log, "blocks.1.lin", dense["kernel"], dense["bias"], x)
+    check_backward_step_one(model, x, "blocks.1.lin", dense["kernel"], dense["bias"])

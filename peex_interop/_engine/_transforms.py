@@ -99,9 +99,12 @@ class _Body:
         probes, visible = carried
         return self(probes, inner, args, kwargs, visible=visible)
 
-    def probes(self, run: Callable[[list], Any], logs_of: Callable[[Any], list]) -> list:
+    def probes(self, run: Callable[[list], Any], logs_of: Callable[[Any], list], length: int | None) -> list:
         """Per context, the backward slots of the layers that run inside the body,
-        found by one abstract run in which backward contexts record slot templates."""
+        found by one abstract run in which backward contexts record slot templates.
+        The slot of one step of this body's stack (`blocks.1.attn`) has no step axis:
+        it is spread over the `length` steps, and its gradient sums theirs (zeros but
+        at its step)."""
         if not any(context.needs_probes for context in self.contexts):
             return self.no_probes()
         saved = [(c.discovering, dict(c.counts)) for c in self.contexts]
@@ -113,7 +116,7 @@ class _Body:
             for context, (flag, counts) in zip(self.contexts, saved):
                 context.discovering, context.counts = flag, counts
         probes = []
-        for context, keys in zip(self.contexts, found):
+        for context, keys, steps in zip(self.contexts, found, self.steps):
             if not context.needs_probes:
                 probes.append({})
                 continue
@@ -125,14 +128,17 @@ class _Body:
                     "vmap/scan body): call `hooked = hooked.init(*args)` with inputs of "
                     "the shapes you call it with"
                 )
-            probes.append({key: slots[key] for key in keys})
+            depth = len(context.scopes)  # the body's scope, once entered
+            one_step = {key for key, at in steps.items() if any(d == depth for d, _ in at)}
+            probes.append({key: _spread(slots[key], length) if key in one_step else slots[key] for key in keys})
         return probes
 
-    def run_mapped(self, run: Callable[[list], Any], logs_of: Callable[[Any], list]) -> Any:
+    def run_mapped(self, run: Callable[[list], Any], logs_of: Callable[[Any], list], length: int | None) -> Any:
         """Run a mapped transform (`run(probes)`) whose body slots are per
-        example/step/device, bring its logs out, and release the body."""
+        example/step/device (`length` of them), bring its logs out, and release the
+        body."""
         try:
-            probes = self.probes(run, logs_of)
+            probes = self.probes(run, logs_of, length)
             result = run(probes)
             self.finish(logs_of(result))
         finally:
@@ -162,6 +168,13 @@ class _Body:
     def release(self) -> None:
         self.fn = self.outer = None
         self.contexts = []
+
+
+def _spread(slot: Any, length: int | None) -> Any:
+    """A slot of one step, as the slots of every step of a stack: its gradient, the
+    sum of theirs."""
+    assert length is not None, "a one-step slot outside a stack's body"
+    return jtu.tree_map(lambda leaf: jnp.broadcast_to(leaf, (length, *jnp.shape(leaf))), slot)
 
 
 @functools.cache
@@ -235,7 +248,7 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
                     probes, *args, **kwargs
                 )
 
-            return body.run_mapped(run, lambda result: result[1])[0]
+            return body.run_mapped(run, lambda result: result[1], length)[0]
 
         return mapped
 
@@ -265,7 +278,7 @@ def threaded_scan(real_scan: Callable) -> Callable:
 
             return real_scan(scan_body, init, (xs, probes, steps), **options)
 
-        carry, (ys, _) = body.run_mapped(run, lambda result: result[1][1])
+        carry, (ys, _) = body.run_mapped(run, lambda result: result[1][1], length)
         return carry, ys
 
     return scan
@@ -572,7 +585,8 @@ def threaded_shard_map(real_shard_map: Callable) -> Callable:
                     **{**options, "in_specs": (per_device, *in_specs), "out_specs": (options["out_specs"], per_device)},
                 )(probes, *args)
 
-            return body.run_mapped(run, lambda result: result[1])[0]
+            # Not a stack: no slot of one step to spread over the devices.
+            return body.run_mapped(run, lambda result: result[1], None)[0]
 
         return sharded
 

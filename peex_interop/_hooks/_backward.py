@@ -35,7 +35,9 @@ class BackwardHook(AbstractHookWrapper):
     As in peex, the log is an *input*: `.init(*args)` fills `log` with zero slots of
     the right shapes, and the gradient with respect to each slot is
     `log_fn(hook_fn(cotangent))`. Slots of layers inside `jax.vmap`/`jax.lax.scan`
-    bodies carry the mapped/scanned axis, so their cotangents are per example/step.
+    bodies carry the mapped/scanned axis, so their cotangents are per example/step. One
+    step of a stack of layers (`where="blocks.1.attn"`) has a slot of one step's shape,
+    and the hook edits that step's cotangent only.
     """
 
     model: PyTree
@@ -125,12 +127,6 @@ class BackwardHook(AbstractHookWrapper):
         return self._attach(context, site, site.call(*site.args, **site.kwargs))
 
     def _attach(self, context: HookContext, site: Site, value: Any) -> Any:
-        if site.active is not None:
-            raise HookError(
-                f"BackwardHook selects whole layers: {site.key!r} is one step of the stack at "
-                f"{site.path!r}. Select the stack ({site.path!r}; its log has the step axis in "
-                "front) and index the step, or use a ForwardHook for one step."
-            )
         template = context.apply(site, "log_fn", self.log_fn, zeros_like(value))
         discrete = [leaf for leaf in jtu.tree_leaves(template) if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
         if discrete:
@@ -143,8 +139,12 @@ class BackwardHook(AbstractHookWrapper):
             context.record(site, site.key, template)
             return value
         slot = None if template is None else context.probe(site, template)
+        # Selected at some steps of a stack only: the hook edits the cotangents of those
+        # steps; a one-step slot is shared by every step (`_Body.probes` spreads it), so
+        # the others must add zeros to its gradient.
+        steps = None if site.active is None else (site.active, site.one_step)
         try:
-            return _cotangent_probe((value, slot), self.hook_fn, self.log_fn, CallSite.of(site))
+            return _cotangent_probe((value, slot, steps), self.hook_fn, self.log_fn, CallSite.of(site))
         except TypeError as error:
             if "forward-mode" not in str(error):
                 raise
@@ -160,21 +160,21 @@ class BackwardHook(AbstractHookWrapper):
 @eqx.filter_custom_vjp
 def _cotangent_probe(value_and_slot, hook_fn, log_fn, site):
     del hook_fn, log_fn, site
-    value, _ = value_and_slot
+    value, _, _ = value_and_slot
     return value
 
 
 @_cotangent_probe.def_fwd
 def _cotangent_probe_fwd(perturbed, value_and_slot, hook_fn, log_fn, site):
     del perturbed, hook_fn, log_fn, site
-    value, _ = value_and_slot
+    value, _, _ = value_and_slot
     return value, None
 
 
 @_cotangent_probe.def_bwd
 def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_fn, log_fn, site):
     del residuals, perturbed
-    value, _ = value_and_slot
+    value, _, steps = value_and_slot
     # Symbolic-zero cotangents arrive as None; hooks and logs see real zeros.
     cotangent = jtu.tree_map(
         lambda c, v: jnp.zeros_like(v) if c is None and eqx.is_inexact_array(v) else c,
@@ -187,4 +187,9 @@ def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_f
     except Exception as error:
         error.add_note(f"peex_interop: raised by the BackwardHook at layer {site.path!r}")
         raise
-    return edited, logged
+    if steps is not None:
+        active, one_step = steps
+        edited = jtu.tree_map(lambda new, old: jnp.where(active, new, old), edited, cotangent)
+        if one_step:
+            logged = jtu.tree_map(lambda log: jnp.where(active, log, jnp.zeros_like(log)), logged)
+    return edited, logged, eqx.filter(steps, eqx.is_inexact_array)  # no cotangent for the flags
