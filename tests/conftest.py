@@ -1,14 +1,8 @@
 import gc
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-
-# LLVM at -O1 instead of -O2: XLA compiles are half of the suite's time, and this cuts
-# them by a third. Set before JAX starts its backend; the examples, run as subprocesses,
-# inherit it. The programs XLA builds are the same; only the machine code is less tuned.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
 
 import jax
 import pytest
