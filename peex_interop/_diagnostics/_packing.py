@@ -37,6 +37,8 @@ class Packing(eqx.Module):
 
     treedefs: tuple[Any, ...]
     spans: tuple[tuple[_Span, ...], ...]
+    # The length of each buffer (its last axis), as packing counted them.
+    sizes: tuple[int, ...]
 
     @staticmethod
     def pack(
@@ -66,7 +68,7 @@ class Packing(eqx.Module):
                 parts[buffer].append(jnp.reshape(leaf, (*lead, size)))
             spans.append(tuple(entry_spans))
         buffers = tuple(jnp.concatenate(part, axis=-1)[..., None, :] for part in parts)
-        return Packing(tuple(treedef for _, treedef in flat), tuple(spans)), buffers
+        return Packing(tuple(treedef for _, treedef in flat), tuple(spans), tuple(sizes)), buffers
 
     def unpack(self, buffers: tuple[Any, ...], index: int) -> Any:
         """Entry `index`, from buffers of jax or (fetched to the host) numpy arrays, or
@@ -74,11 +76,10 @@ class Packing(eqx.Module):
         lead = buffers[0].shape[:-2] if buffers else ()
         # A vmap or scan around the packed value must add its axes in front of the unit
         # axis: after it, slices would cut across examples instead of statistics.
-        sizes = self.sizes()
-        if [tuple(buffer.shape) for buffer in buffers] != [(*lead, 1, size) for size in sizes]:
+        if [tuple(buffer.shape) for buffer in buffers] != [(*lead, 1, size) for size in self.sizes]:
             raise ValueError(
                 f"packed statistics: buffers of shapes {[tuple(b.shape) for b in buffers]}, expected "
-                f"{', '.join(f'(..., 1, {size})' for size in sizes)} with the same leading axes: a vmap "
+                f"{', '.join(f'(..., 1, {size})' for size in self.sizes)} with the same leading axes: a vmap "
                 "or scan over a statistics log must put its axes first (out_axes=0)"
             )
 
@@ -89,14 +90,6 @@ class Packing(eqx.Module):
 
         leaves = [leaf(buffers[b], start, stop, shape) for b, start, stop, shape in self.spans[index]]
         return jtu.tree_unflatten(self.treedefs[index], leaves)
-
-    def sizes(self) -> list[int]:
-        """The length of each buffer (its last axis)."""
-        sizes = [0] * (1 + max((b for spans in self.spans for b, *_ in spans), default=-1))
-        for spans in self.spans:
-            for b, _, stop, _ in spans:
-                sizes[b] = max(sizes[b], stop)
-        return sizes
 
     def own_shapes(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
         return tuple(tuple(shape for *_, shape in spans) for spans in self.spans)
