@@ -239,12 +239,12 @@ def compare(
     A `Comparison` (print it; `.first_divergence` is the first diverging layer).
     """
     alignment = alignment or align(model_a, model_b, *args, **kwargs)
-    paths_a, paths_b = list(alignment.mapping), list(alignment.mapping.values())
-    log_a = _outputs(model_a, _layers(paths_a), args, kwargs)
-    log_b = _outputs(model_b, _layers(paths_b), args, kwargs)
+    layers_a, layers_b = _layers(list(alignment.mapping)), _layers(list(alignment.mapping.values()))
+    log_a = _outputs(model_a, layers_a, args, kwargs)
+    log_b = _outputs(model_b, layers_b, args, kwargs)
     if cotangents:
-        ct_a = _cotangents(model_a, _layers(paths_a), args, kwargs)
-        ct_b = _cotangents(model_b, _layers(paths_b), args, kwargs)
+        ct_a = _cotangents(model_a, layers_a, args, kwargs)
+        ct_b = _cotangents(model_b, layers_b, args, kwargs)
     rows = []
     for path_a, path_b in alignment.mapping.items():
         abs_error, rel_error, excess = _tree_difference(log_a[path_a], log_b[path_b])
