@@ -546,7 +546,7 @@ EVERY_TEN_TEXT = (
 def every_ten_variants(hooked, calls, x, batched, optimizer):
     """Ten training steps with statistics on every 10th (`Recorder.when_due`) against
     ten plain steps (`calls["train plain"]`): decided inside one compiled step (the step
-    number an array: `lax.cond`), or on the host (a Python int, static under
+    number an array: `lax.cond`), or on the host (`recorder.due(i)`, a Python bool, static under
     `eqx.filter_jit`: one program for due steps, one for the others). And ten off-steps
     and ten due steps of each, the parts of the ten."""
     recorder = px.Recorder(every=10)
@@ -783,8 +783,9 @@ def flatten_text(flatten):
 
 def dispatch_whys(library, name, steady, flatten):
     """`(eqx.filter_jit row's why, jax.jit row's why)` for a converted model, from this
-    run: `eqx.filter_jit`'s own dispatch (the same model under `jax.jit`; on the tiny
-    model, Equinox's raw model too), and on the tiny model the floor, the bare module."""
+    run: `eqx.filter_jit`'s own cost (the raw call under it, the same model under
+    `jax.jit`; on the tiny model, Equinox's raw model too), and on the tiny model the
+    floor, the bare module."""
     m = steady[library, name]
     filter_jit = (f"eqx.filter_jit's own cost: the raw call itself under eqx.filter_jit costs "
                   f"{m['raw eqx.filter_jit'] / m['raw']:.3f}x; the same converted model under jax.jit "
