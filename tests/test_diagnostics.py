@@ -161,6 +161,46 @@ def test_stats_pool_the_vmaps_inside_the_model_and_keep_the_scanned_layers():
         assert_stats_of(at(per_position["blocks.norm1"], (1, position)), raw["blocks.norm1"][1, position])
 
 
+class OneRow(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, row):
+        return self.linear(row)
+
+
+class Rows(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, rows):
+        return jax.vmap(self.linear)(rows)
+
+
+def test_one_statistics_log_on_the_same_shapes_inside_and_outside_a_vmap_of_the_model():
+    # A statistic is compiled once per log, shapes and enclosing vmaps: the same layer,
+    # the same (5,) values per call, first alone, then under a vmap over rows (whose
+    # histograms share one range, by a pmin), then alone again.
+    linear = eqx.nn.Linear(3, 5, key=jax.random.key(0))
+    rows = jax.random.normal(jax.random.key(1), (4, 3))
+    for model, x in ((OneRow(linear), rows[0]), (Rows(linear), rows), (OneRow(linear), rows[1])):
+        _, log = px.ForwardHook(model, log_fn=px.activation_stats())(x)
+        _, raw = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+        assert log["linear"]["hist"].counts.shape == (40,)
+        assert_stats_of(log["linear"], raw["linear"])
+
+
+class Tag:
+    """A leaf of a layer's output that is no array, and cannot be hashed."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_statistics_skip_leaves_that_are_no_arrays_even_unhashable_ones():
+    values = {"x": jnp.arange(6.0), "tag": Tag(), "steps": 3}
+    stats = px.activation_stats()(values)
+    np.testing.assert_allclose(stats["mean"]["x"], 2.5)
+    assert stats["mean"]["tag"] is None and stats["mean"]["steps"] is None
+
+
 def test_stats_pool_the_vmaps_inside_a_converted_haiku_model():
     def rows(x):  # hk.vmap over the rows inside the model
         return hk.vmap(lambda r: jnp.tanh(hk.Linear(5, name="rows")(r)), split_rng=False)(x)
