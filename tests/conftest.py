@@ -1,4 +1,5 @@
 import gc
+import os
 import shutil
 import sys
 import tempfile
@@ -13,15 +14,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # Tests retrace the same computations many times (a fresh hooked wrapper, a fresh
 # closure): XLA's persistent cache, kept for this session only, compiles each distinct
-# program once. Executables are identical either way, so results are too.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="peex_interop_tests_xla_")
-jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# program once. Executables are identical either way, so results are too. One cache for
+# the session: made by the first process (pytest's own), passed in the environment to
+# the xdist workers and to the examples' subprocesses, which then skip the programs
+# another process compiled (random draws of the same shapes, the same small models):
+# ~600 of ~4,900 compiles in the suite. Two processes may write one entry at once; a
+# reader that finds it half-written warns and compiles the program itself.
+_OWNS_CACHE = "PEEX_INTEROP_TESTS_XLA_CACHE" not in os.environ
+if _OWNS_CACHE:
+    os.environ["PEEX_INTEROP_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="peex_interop_tests_xla_")
+_CACHE_SETTINGS = {
+    "jax_compilation_cache_dir": os.environ["PEEX_INTEROP_TESTS_XLA_CACHE"],
+    "jax_persistent_cache_min_compile_time_secs": 0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+for name, value in _CACHE_SETTINGS.items():
+    jax.config.update(name, value)
+    os.environ[name.upper()] = str(value)  # read by jax in the examples' subprocesses
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
+    if _OWNS_CACHE:
+        shutil.rmtree(os.environ["PEEX_INTEROP_TESTS_XLA_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
