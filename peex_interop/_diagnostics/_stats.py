@@ -170,8 +170,8 @@ def _compiled(compute: Callable[..., Any], *inputs: Any) -> Any:
 
 
 def _when_due(compute: Callable[[Any, Any], Any], config: Any, args: Any) -> Any:
-    """`compute(config, args)`, `_compiled`, or zeros of its structure on steps that
-    are not due (`computed_when`)."""
+    """`compute(config, args)` as one program (`_compiled`), or zeros of its structure
+    on steps that are not due (`computed_when`)."""
 
     def computed(args):
         return _compiled(compute, config, args)
