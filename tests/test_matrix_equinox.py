@@ -36,7 +36,7 @@ def branch_index(x):
     return jnp.where(jnp.sum(x) > 0, 2, 1)
 
 
-# jax.jit created before hooking began: the engine cannot patch it.
+# jax.jit created before hooking began: traced in a deferred scope, its logs carried out.
 _PRECOMPILED = jax.jit(lambda layer, x: layer(x))
 
 
@@ -124,7 +124,8 @@ CASES = {
     "checkpoint_static_first": Case(
         lambda lin, x: jax.checkpoint(lambda n, m, v: n * m(v), static_argnums=(0,))(2.0, lin, x),
         lambda lin, x, d: (2.0 * (lin(x) + d), lin(x)), (3,)),
-    "jit_created_before_hooking": Case(lambda lin, x: _PRECOMPILED(lin, x), None),
+    "jit_created_before_hooking": Case(
+        lambda lin, x: _PRECOMPILED(lin, x), lambda lin, x, d: (lin(x) + d, lin(x)), (3,)),
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import peex_interop as px
 from models import MLP, while_hooked_elsewhere
-from peex_interop._engine import _transforms
+from peex_interop._engine import _patching, _transforms
 
 
 class Inherited(eqx.nn.Linear):
@@ -26,15 +26,15 @@ class WithInherited(eqx.Module):
 
 # Taken at import, before any hooked call: the attributes every hooked call must restore.
 OWN_CALLS = {cls: vars(cls).get("__call__") for cls in (eqx.nn.Linear, MLP, Inherited, WithInherited)}
-JAX_FUNCTIONS = {(owner, name): getattr(owner, name) for owner, name, _ in _transforms.transform_patches()}
-assert {(jax, "vmap"), (jax.lax, "scan"), (jax.lax, "cond"), (jax, "checkpoint")} <= set(JAX_FUNCTIONS)
+JAX_FUNCTIONS = {(owner, name): _patching.current(owner, name) for owner, name, _ in _transforms.transform_patches()}
+assert {(jax.vmap, _patching.WRAPPED_FUNCTION), (jax.lax.scan, _patching.WRAPPED_FUNCTION)} <= set(JAX_FUNCTIONS)
 
 
 def assert_unpatched():
     for cls, original in OWN_CALLS.items():
         assert vars(cls).get("__call__") is original, cls
     for (owner, name), original in JAX_FUNCTIONS.items():
-        assert getattr(owner, name) is original, name
+        assert _patching.current(owner, name) == original, name
 
 
 def model_and_input():

@@ -2,7 +2,6 @@
 and outputs, stacked axes) on the test suite's models of every library, `px.summary`'s
 stacks and totals, and the refusal of models the library cannot hook."""
 
-import re
 
 import pytest
 
@@ -212,12 +211,8 @@ def test_summary_of_the_scanned_transformer_adds_up_and_shows_input_shapes():
 def test_calls_that_hooks_refuse_are_listed_as_not_hookable_or_refused_alike(name):
     model, x = Outer(Host(LAYER, name), nested=False), XS[0]
     hooked = px.ForwardHook(model, log_fn=px.IdentityLog(), where="host.layer")
-    with pytest.raises(px.TransformError, match=r"host\.layer|Linear") as refused:
+    with pytest.raises(px.TransformError, match=r"host\.layer|Linear"):
         hooked(x)
-    if name == "jit_created_before_hooking":  # no hook can name the layer: neither can sites
-        with pytest.raises(px.TransformError, match=re.escape(str(refused.value).split(":")[0])):
-            px.sites(model, x)
-        return
     assert [(r.key, r.hookable) for r in px.sites(model, x)] == [("host.layer", False), ("host", True)]
     assert "not hookable" in str(px.summary(model, x))
 

@@ -139,7 +139,7 @@ class _SiteFinder:
             lengths=site.lengths,
             stacks=tuple(level for level, _ in site.stacks),
             step_path=site.step_path,
-            hookable=not context.in_foreign_trace(),
+            hookable=context.unthreadable() is None,
         )
         return output
 

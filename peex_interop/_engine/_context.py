@@ -22,7 +22,10 @@ import jax.core
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax._src.core import trace_ctx as _trace_ctx
+from jax._src.interpreters.batching import BatchTrace as _BatchTrace, BatchTracer as _BatchTracer
 
+from . import _harvest
 from ._errors import HookError, TransformError
 from ._paths import AbstractConverted, join, walk
 from ._selection import Selection, glob_to_regex, step_path, step_segments, steps_of
@@ -151,9 +154,18 @@ class _Scope:
 
     probes: dict
     trace_state: Any
-    # The body's transform was applied under a transform the engine does not thread
-    # (a vmap inside a while_loop): nothing recorded in it can leave.
-    foreign: bool = False
+    # Backward slots come planted (`_harvest`): the body's transform was applied where
+    # the enclosing scope's slots cannot be passed in as inputs.
+    plants: bool = False
+    # The body of a jit compiled before hooking: JAX may replay its trace, so its calls
+    # count from zero and its logs leave sown, renumbered on arrival (`_harvest`).
+    deferred: bool = False
+    # Whether a selected layer ran in this scope (or sent values into it).
+    hooked: bool = False
+    # Opened inside a program traced by a transform the engine did not thread (a
+    # while_loop body), named here: JAX may cache that trace and replay it with other
+    # hooks.
+    cached: str | None = None
     logs: dict = dataclasses.field(default_factory=dict)
     # Keys of the backward slots attached in this body (and the bodies inside it).
     probed: set = dataclasses.field(default_factory=set)
@@ -176,28 +188,47 @@ class _Scope:
     steps: dict = dataclasses.field(default_factory=dict)
 
 
+def _current_trace() -> Any:
+    return _trace_ctx.trace
+
+
 def _trace_state() -> Any:
     return jex_core.get_opaque_trace_state()
 
 
 THREADED = (
-    "Threaded transforms: jax.vmap, eqx.filter_vmap, jax.lax.scan, jax.lax.map, "
-    "jax.lax.fori_loop with static bounds, jax.lax.cond, jax.lax.switch, jax.jit and "
-    "eqx.filter_jit (also created inside the model), jax.checkpoint/remat, "
-    "eqx.filter_checkpoint, jax.shard_map."
+    "Threaded transforms, whatever reference reaches them: jax.vmap, eqx.filter_vmap, "
+    "jax.lax.scan, jax.lax.map, jax.lax.fori_loop with static bounds, jax.lax.cond, "
+    "jax.lax.switch, jax.jit and eqx.filter_jit (also compiled before hooking), "
+    "jax.checkpoint/remat, eqx.filter_checkpoint, jax.shard_map, a function decorated "
+    "with @jax.vmap."
 )
 
 
-def _transform_name() -> str:
-    # Private JAX API, used only to make an error message precise.
+_TRACED_FOR = {
+    "while_loop": "jax.lax.while_loop (or a fori_loop with traced bounds)",
+    "while_body": "jax.lax.while_loop (or a fori_loop with traced bounds)",
+    "while_cond": "jax.lax.while_loop (or a fori_loop with traced bounds)",
+    "scan": "jax.lax.scan", "cond": "jax.lax.cond/switch", "switch": "jax.lax.cond/switch",
+    "checkpoint": "jax.checkpoint", "jit": "jax.jit", "custom_vjp": "jax.custom_vjp",
+    "custom_jvp": "jax.custom_jvp", "shard_map": "jax.shard_map",
+}
+
+
+def transform_name() -> str:
+    """The transform the current trace belongs to, for error messages (private JAX
+    API, used only to make a message precise)."""
     try:
         from jax._src import core
 
         trace = core.trace_ctx.trace
-        if type(trace).__name__ == "BatchTrace":
-            return "jax.vmap (a reference to vmap taken before hooking began)"
+        kind = type(trace).__name__
+        if kind == "BatchTrace":
+            return "jax.vmap applied before hooking began (a function decorated with @jax.vmap at import)"
+        if kind in ("JVPTrace", "LinearizeTrace", "JaxprTrace"):
+            return "autodiff inside the model (jax.grad/jax.vjp/jax.jacrev/jax.linearize)"
         info = trace.frame.debug_info
-        return f"a '{info.traced_for}' transform of {info.func_name!r}"
+        return f"{_TRACED_FOR.get(info.traced_for, repr(info.traced_for))} of {info.func_name!r}"
     except Exception:
         return "a JAX transform"
 
@@ -244,6 +275,14 @@ class HookContext:
         self.seen: set[str] = set()
         self.step_hits: set[str] = set()
         self.claims: dict[str, str] = {}
+        # Every log key given out: key -> (path, key without its call number, number),
+        # so that keys counted inside a deferred scope can be renumbered on arrival.
+        self.key_parts: dict[str, tuple[str, str, int]] = {}
+        self._batch: Any = None
+        self._batch_base: dict[str, int] = {}
+        self._outer_counts: list[dict[str, int]] = []
+        # This call's own wrappers of jitted functions that call selected layers.
+        self.deferred_bodies: dict[Any, Callable] = {}
         self.scopes = [_Scope({} if probes is None else probes, _trace_state())]
 
     def _index(self, root: Any) -> bool:
@@ -270,11 +309,16 @@ class HookContext:
 
     # -- paths ---------------------------------------------------------------------
     def _leaf_paths(self, leaf: Any) -> list[tuple[str, ...]]:
-        for table in (self.leaves, *(s.leaves for s in reversed(self.scopes))):
-            entry = table.get(id(leaf))
-            if entry is not None:
-                return entry[0]
-        return []
+        while True:
+            for table in (self.leaves, *(s.leaves for s in reversed(self.scopes))):
+                entry = table.get(id(leaf))
+                if entry is not None:
+                    return entry[0]
+            # Inside a vmap the engine did not thread, a model array passed in is held
+            # by a batch tracer (the array itself when it is mapped along axis 0).
+            if not isinstance(leaf, _BatchTracer):
+                return []
+            leaf = leaf.val
 
     def resolve(self, owner: Any, local: tuple[str, ...]) -> tuple[str, ...] | None:
         """The owner's path, or None if it is not part of this context's model, or if
@@ -335,11 +379,9 @@ class HookContext:
                 self.step_hits |= matched
                 if not steps:
                     return call(*args, **kwargs)
-            # Edits too: a trace made under an unthreaded transform may be cached by
-            # JAX (a jit or loop body defined before hooking) and replayed by a later
-            # hooked call with other hooks.
             if self.observes_values:
-                self._admit([path], "hook the call")
+                self._check_carryable(path, steps is not True)
+            self.scopes[-1].hooked = True
             name = self.renames.get(path, path)
             claimed = self.claims.setdefault(name, path)
             if claimed != path:
@@ -353,6 +395,7 @@ class HookContext:
             active, one_step = None, False
             if steps is not True:
                 key, active, one_step = self._at_steps(key, name, stacks, steps)
+            self.key_parts[key] = (path, key if count == 0 else key.rsplit("@", 1)[0], count)
             site = Site(
                 path, key, owner, module, kind, call, args, kwargs, count,
                 self.scopes[-1].indices,
@@ -427,31 +470,75 @@ class HookContext:
             out = jtu.tree_map(lambda edited, kept: jnp.where(site.active, edited, kept), out, value)
         return out
 
-    def _admit(self, keys: Any, doing: str) -> None:
-        """The closed-world rule: a value enters a scope only from that scope's own
-        trace. Anything else would leak a tracer (or, for a backward slot, sum
-        cotangents over steps), so it is refused, naming the layers."""
-        if self.in_foreign_trace():
+    def carries(self) -> bool:
+        """Whether values recorded now leave, and slots arrive, through the traced
+        program (`_harvest`) rather than this scope's dicts: the current trace is not
+        the scope's (a transform applied before hooking), or the scope is a deferred one."""
+        return self.in_foreign_trace() or self.scopes[-1].deferred
+
+    def unthreadable(self) -> str | None:
+        """The transform around the code running now that the engine can neither thread
+        nor carry values through, if any."""
+        if _refused.items:
+            return _refused.items[-1]
+        if self.in_foreign_jaxpr():
+            return transform_name()
+        return self.scopes[-1].cached
+
+    def in_foreign_jaxpr(self) -> bool:
+        """Whether code running now is traced into a program by a transform the engine
+        did not thread (a vmap the engine did not thread is no program: it may carry)."""
+        return self.in_foreign_trace() and not isinstance(_current_trace(), _BatchTrace)
+
+    def in_foreign_trace(self) -> bool:
+        """Whether code running now is under a transform the engine did not thread."""
+        return _trace_state() != self.scopes[-1].trace_state
+
+    def _check_carryable(self, path: str, one_step: bool) -> None:
+        """Carried values have no traced index of the unthreaded transforms around them
+        and, in a deferred scope, only a provisional call number: hooks that read the
+        call site, and one-step selections, are refused there."""
+        where = self.unthreadable()
+        if where is not None:
             raise TransformError(
-                f"cannot {doing} of layer(s) {sorted(keys)}: they run under "
-                f"{_transform_name()}, which peex_interop cannot thread the value out "
-                f"of (it would leak a tracer). {THREADED} Move that transform outside "
+                f"cannot hook layer(s) {[path]}: they run under {where}, which "
+                f"peex_interop cannot thread values out of (JAX may also replay that trace "
+                f"with other hooks). {THREADED} Move that transform outside the hooked "
+                "model, or exclude the layer with where=."
+            )
+        if not self.carries():
+            return
+        if self.needs_indices or one_step:
+            where = transform_name() if self.in_foreign_trace() else "a jax.jit compiled before hooking began"
+            raise TransformError(
+                f"cannot run the site-aware hooks of layer {path!r} (or select one step of "
+                f"its stack): it runs under {where}, whose index and call count the engine "
+                "cannot know. Plain hooks and logs work there; move that transform outside "
                 "the hooked model, or exclude the layer with where=."
             )
 
-    def in_foreign_trace(self) -> bool:
-        """Whether code running now is under a transform the engine does not thread."""
-        return _trace_state() != self.scopes[-1].trace_state or self.scopes[-1].foreign
+    def _tag_parts(self, key: str, relative: bool = False) -> dict:
+        base, suffix = (key[:-3], ":in") if key.endswith(":in") and key[:-3] in self.key_parts else (key, "")
+        path, name, count = self.key_parts.get(base, (base.split("@")[0], base, 0))
+        if not relative:
+            name, count = base, 0
+        return {"path": path, "name": name, "count": count, "suffix": suffix, "relative": relative}
+
+    def _index_in_active(self) -> int:
+        return next(i for i, c in enumerate(active()) if c is self)
 
     def record(self, site: Site, key: str, value: Any) -> None:
         if value is None:
             return
-        self._admit([site.path], "record the log")
+        if self.in_foreign_trace():
+            _harvest.sow(self._index_in_active(), self._tag_parts(key), value, transform_name())
+            return
         self.scopes[-1].logs[key] = value
 
     def probe(self, site: Site, template: Any) -> Any:
         """The cotangent slot for this site (a `BackwardHook.log` entry)."""
-        self._admit([site.path], "attach the backward log")
+        if self.carries() or self.scopes[-1].plants:
+            return self.slot(site.key, template)
         probes = self.scopes[-1].probes
         if site.key not in probes:
             raise HookError(
@@ -464,10 +551,94 @@ class HookContext:
         self.scopes[-1].probed.add(site.key)
         return probe
 
+    def slot(self, key: str, template: Any) -> Any:
+        """The slot of log key `key`, shaped like `template`, planted when it cannot be
+        read from this scope's dict."""
+        if not (self.carries() or self.scopes[-1].plants):
+            return self.scopes[-1].probes[key]
+        where = transform_name() if self.in_foreign_trace() else "a jax.jit compiled before hooking began"
+        # Counted from zero inside a deferred scope: renumbered where it is taken.
+        relative = self.scopes[-1].deferred
+        return _harvest.plant(self._index_in_active(), self._tag_parts(key, relative), template, where)
+
+    # -- carried values arriving (`_harvest`) ------------------------------------------
+    def _renumber(self, tag: Any) -> tuple[str, int]:
+        """The key of a value counted inside a deferred scope: its number there, after
+        the calls of its layer made before the deferred scope's values arrived."""
+        if not tag.relative:
+            return tag.key(), tag.count
+        if tag.batch != self._batch:
+            self._batch, self._batch_base = tag.batch, dict(self.counts)
+        count = self._batch_base.get(tag.path, 0) + tag.count
+        self.counts[tag.path] = max(self.counts.get(tag.path, 0), count + 1)
+        return tag.key(count), count
+
+    def arrive(self, tag: Any, value: Any) -> None:
+        """A sown log reaching this context's innermost scope's trace."""
+        key, count = self._renumber(tag)
+        self.seen.add(tag.path)
+        self.scopes[-1].hooked = True
+        logs = self.scopes[-1].logs
+        if key in logs:
+            raise HookError(
+                f"two logs of layer {tag.path!r} arrived under the key {key!r} (a trace "
+                "replayed by JAX?): refusing to overwrite one with the other"
+            )
+        base = key[: -len(tag.suffix)] if tag.suffix else key
+        if tag.relative and not tag.suffix:
+            self.key_parts[base] = (tag.path, tag.name, count)
+        logs[key] = value
+
+    def arrive_slot(self, tag: Any, template: Any) -> Any:
+        """The slot asked for by a planted value reaching this scope's trace."""
+        key, _ = self._renumber(tag)
+        scope = self.scopes[-1]
+        if key not in scope.probes:
+            raise HookError(
+                f"BackwardHook has no cotangent slot for layer {key!r} (under {tag.where}): "
+                "call `hooked = hooked.init(*args)` with inputs of the shapes you call it "
+                f"with (slots it has: {sorted(scope.probes) or 'none'})"
+            )
+        slot = scope.probes[key]
+        check_same_shape(key, "the BackwardHook.log entry (from .init)", template, slot)
+        scope.probed.add(key)
+        return slot
+
+    def renumber_passing(self, tag: Any) -> Any:
+        """A planted slot passing through a deferred scope: numbered among its calls."""
+        key, count = self._renumber(tag)
+        del key
+        return dataclasses.replace(tag, count=count, batch=None)
+
+    def enter_deferred(self, outer: Any, inner: Any) -> None:
+        """Open the scope of a jit compiled before hooking (its trace may be replayed):
+        layers are named through its arguments, calls count from zero."""
+        self.enter_body(outer, inner, {})
+        scope = self.scopes[-1]
+        # The enclosing indices are values of another trace: unknown here (hooks that
+        # read them are refused); the lengths still say how the logs are stacked.
+        scope.deferred, scope.indices = True, tuple(None for _ in scope.indices)
+        self._outer_counts.append(self.counts)
+        if self.observes_values:
+            # A static-facts pass (px.summary) is never replayed: it counts on.
+            self.counts = {}
+
+    def exit_deferred(self) -> bool:
+        """Close it: its logs leave sown, with their call numbers inside it. Returns
+        whether a selected layer ran in it."""
+        scope = self.scopes.pop()
+        self.counts = self._outer_counts.pop()
+        if not scope.logs:
+            return scope.hooked
+        index = self._index_in_active()
+        for key, value in scope.logs.items():
+            _harvest.sow(index, self._tag_parts(key, relative=True), value, "a jax.jit compiled before hooking began")
+        return True
+
     # -- transformed bodies -------------------------------------------------------------
     def enter_body(
-        self, outer: Any, inner: Any, probes: dict, foreign: bool, index: Any = None, length: int | None = None,
-        visible: tuple | None = None,
+        self, outer: Any, inner: Any, probes: dict, index: Any = None, length: int | None = None,
+        visible: tuple | None = None, plants: bool = False, cached: str | None = None,
     ) -> None:
         """Open the scope of a body whose inputs `inner` stand for `outer`: a known
         module passed in names its inner counterpart (and everything under it) by
@@ -477,7 +648,8 @@ class HookContext:
         axis fewer inside) runs a stack of layers. `visible`: an enclosed body's
         inputs that stand for the enclosing scope's indices."""
         parent = self.scopes[-1]
-        scope = _Scope(probes, _trace_state(), foreign, length=length, index=index)
+        scope = _Scope(probes, _trace_state(), plants, length=length, index=index)
+        scope.cached = self.scopes[-1].cached or cached
         scope.indices = parent.indices if visible is None else tuple(visible)
         scope.lengths = parent.lengths
         if length is not None:
@@ -531,16 +703,21 @@ class HookContext:
         transform ran in this scope's trace (a threaded transform nested in one that
         is not would otherwise leak its logs' tracers). One-step logs of the stack
         whose body this was (stacked along the leading axis) are sliced to their step."""
-        if logs or probed:
-            self._admit({key.split("@")[0] for key in (*logs, *probed)}, "bring out the logs")
         depth = len(self.scopes)
         for key, stack_steps in (steps or {}).items():
             step = next((step for d, step in stack_steps if d == depth), None)
             if step is not None and key in logs:
                 logs = {**logs, key: jtu.tree_map(lambda log, step=step: log[step], logs[key])}
             self.scopes[-1].steps[key] = [(d, s) for d, s in stack_steps if d != depth]
-        self.scopes[-1].logs.update(logs)
         self.scopes[-1].probed |= probed
+        if self.in_foreign_trace():
+            # The body's transform ran under one the engine did not thread: the logs
+            # leave through the traced program.
+            index, where = self._index_in_active(), transform_name()
+            for key, value in logs.items():
+                _harvest.sow(index, self._tag_parts(key), value, where)
+            return
+        self.scopes[-1].logs.update(logs)
 
     @property
     def logs(self) -> dict:
@@ -723,22 +900,50 @@ def call_site(
 def refuse_if_passed_through(name: str, values: Any) -> None:
     """A layer that no context can name is either not part of the model (built during
     the call: not a layer) or one that an unthreaded transform received as an argument,
-    e.g. a `jax.jit` function created before hooking began, or a `while_loop` carry:
-    its arrays (`values`) are that transform's tracers. The second must not run
-    unhooked. Adapters call this where their own naming fails."""
+    e.g. a `while_loop` carry: its arrays (`values`) are that transform's tracers. The
+    second must not run unhooked. Adapters call this where their own naming fails."""
     contexts = active()
     if not contexts:
         return
     context = contexts[-1]
-    if not context.in_foreign_trace():
+    if not (context.in_foreign_trace() or context.scopes[-1].cached):
         return
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(values)):
         return
     where = f" (called from layer {context.frames[-1][2]!r})" if context.frames else ""
     raise TransformError(
-        f"a {name}{where} runs under {_transform_name()}, which received it as an "
+        f"a {name}{where} runs under {context.unthreadable() or transform_name()}, which received it as an "
         "argument: peex_interop cannot name it or thread its logs out, so it would run "
-        f"unhooked. {THREADED} A jax.jit function created before hooking began (at "
-        "import or class definition) is not: create it inside the model's call, use "
-        "eqx.filter_jit, or move it outside the hooked model."
+        f"unhooked. {THREADED} Move that transform outside the hooked model, or pass the "
+        "layer in by closure."
     )
+
+
+def _arrival(trace: Any, tag: Any) -> tuple[HookContext, _Scope] | None:
+    """Where a sown or planted value bound at `trace` is taken: the innermost scope of
+    the context the tag names, when `trace` is that scope's trace."""
+    contexts = active()
+    if tag.context >= len(contexts):
+        return None
+    context = contexts[tag.context]
+    scope = context.scopes[-1]
+    if scope.trace_state._trace_ref != trace._weakref:  # pyright: ignore[reportAttributeAccessIssue]
+        return None
+    return context, scope
+
+
+_harvest._arrival.append(_arrival)
+
+
+_refused = ThreadStack()
+
+
+@contextlib.contextmanager
+def refusing(transform: str) -> Iterator[None]:
+    """Refuse every selected layer called in the block, naming `transform`: one whose
+    logs the engine could only give in a layout of JAX's choosing."""
+    _refused.items.append(transform)
+    try:
+        yield
+    finally:
+        _refused.items.pop()

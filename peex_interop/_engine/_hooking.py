@@ -12,10 +12,10 @@ from ._context import HookContext, Policy, entered
 from ._transforms import transform_patches
 
 # JAX's trace caches are keyed on this context. While hooking, a function traced
-# before (a `jax.jit` created at import, a loop body defined at module level: the
-# engine cannot patch them) misses the cache and retraces in Python, so its layer calls
-# reach the call sites, where a selected one is refused. A trace made while hooking
-# holds only unselected calls, so it is reused only under the same selections.
+# before (a `jax.jit` created at import, a loop body defined at module level) misses
+# the cache and retraces in Python, so its layer calls reach the call sites. A trace
+# made while hooking is reused only under the same selections, and one that ran a
+# selected layer not at all (`_transforms._deferred_body`).
 _hooking_jit_key = jax.make_user_context(())
 
 

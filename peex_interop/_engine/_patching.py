@@ -16,6 +16,16 @@ _lock = threading.Lock()
 _installed: dict[tuple[int, str], list] = {}
 
 ORIGINAL = "__peex_interop_original__"
+# The attribute name that stands for the function a JAX entry point wraps (see `_cell`).
+WRAPPED_FUNCTION = "<wrapped function>"
+
+
+def _cell(wrapper: Any) -> Any:
+    """The closure cell in which a JAX entry point (`jax.vmap`, `jax.lax.scan`, ...: an
+    `api_boundary` wrapper) holds the function it calls. Replacing the cell's contents
+    reaches every reference to the entry point: `from jax import vmap`, an alias
+    module, a `functools.partial` of it, JAX's own internal calls."""
+    return wrapper.__closure__[wrapper.__code__.co_freevars.index("fun")]
 
 
 def unwrap(value: Any) -> Any:
@@ -25,18 +35,37 @@ def unwrap(value: Any) -> Any:
     return value
 
 
+def current(owner: Any, name: str) -> Any:
+    """What `owner.name` is now (for a JAX entry point's `WRAPPED_FUNCTION`: the
+    function in its cell), to check that every patch was undone."""
+    return _cell(owner).cell_contents if name == WRAPPED_FUNCTION else getattr(owner, name)
+
+
+def entry_point(wrapper: Any) -> Any:
+    """The function behind a JAX entry point (`jax.jit`, `jax.eval_shape`, ...), never
+    a hooking replacement: for the engine's own transforms, which must not be threaded."""
+    return unwrap(wrapper).__wrapped__
+
+
 def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     with _lock:
         entry = _installed.get((id(owner), name))
         if entry is not None:
             entry[3] += 1
             return
-        had_own = name in vars(owner)
-        own_value = vars(owner)[name] if had_own else None
-        original = unwrap(getattr(owner, name))
+        if name == WRAPPED_FUNCTION:
+            cell = _cell(owner)
+            had_own, own_value, original = True, cell.cell_contents, unwrap(cell.cell_contents)
+        else:
+            had_own = name in vars(owner)
+            own_value = vars(owner)[name] if had_own else None
+            original = unwrap(getattr(owner, name))
         replacement = make(original)
         setattr(replacement, ORIGINAL, original)  # how `unwrap` and chained patches find it
-        setattr(owner, name, replacement)
+        if name == WRAPPED_FUNCTION:
+            _cell(owner).cell_contents = replacement
+        else:
+            setattr(owner, name, replacement)
         _installed[(id(owner), name)] = [owner, had_own, own_value, 1]
 
 
@@ -47,7 +76,9 @@ def _uninstall(owner: Any, name: str) -> None:
         if entry[3]:
             return
         del _installed[(id(owner), name)]
-        if entry[1]:
+        if name == WRAPPED_FUNCTION:
+            _cell(owner).cell_contents = entry[2]
+        elif entry[1]:
             setattr(owner, name, entry[2])
         else:
             # An inherited attribute is restored by removing ours, not by copying the

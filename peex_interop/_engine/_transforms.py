@@ -9,13 +9,16 @@ for cond, switch, checkpoint and jit. Backward-log slots of layers inside a mapp
 are passed in as mapped inputs, so cotangents are per example/step rather than summed.
 
 Arguments are bound against the real entry point's signature, so keyword and positional
-calling conventions behave exactly as JAX's own. Everything else (`while_loop`, dynamic
-`fori_loop`, a `jax.jit` created before hooking began, ...) is refused by
-`HookContext._admit`, which is the one place where values enter a scope.
+calling conventions behave exactly as JAX's own. The entry points are replaced in the
+closure cell behind them, so every Python reference reaches them; a jit compiled before
+hooking is traced in a deferred scope, and a vmap applied before hooking carries its
+values through the traced program (`_harvest`). What neither reaches (`while_loop`,
+dynamic `fori_loop`, ...) is refused (`HookContext.unthreadable`).
 """
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +29,23 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 
-from . import _context, _patching, _pooling
+from . import _context, _harvest, _patching, _pooling
 from ._errors import HookError
 
-# The engine's own abstract runs must not be threaded as a model's would be.
-_real_eval_shape = jax.eval_shape
+
+def _real_eval_shape(fun: Callable, *args: Any) -> Any:
+    """The engine's own abstract runs: not threaded as a model's `jax.eval_shape`
+    would be, and not traced in a deferred scope as a jit compiled before hooking."""
+    return _eval_shape(_engine_body(fun), *args)
+
+
+_eval_shape = jax.eval_shape  # bound at import: the real one
+
+
+def _engine_body(fun: Callable) -> Callable:
+    """Mark one of the engine's own traced bodies: it threads its scopes itself."""
+    setattr(fun, _THREADED_BODY, True)
+    return fun
 
 
 class _Body:
@@ -49,7 +64,12 @@ class _Body:
         # not shift `path@n` keys.
         self.start = [dict(c.counts) for c in self.contexts]
         self.end = self.start
-        self.foreign = [c.in_foreign_trace() for c in self.contexts]
+        # Where the enclosing scope's slots cannot be passed in (they are planted, see
+        # `_harvest`), an unmapped body plants its own.
+        self.plants = [c.carries() or c.scopes[-1].plants for c in self.contexts]
+        # Applied inside a program traced by a transform the engine does not thread (a
+        # while_loop body), which JAX may cache: its layers are refused.
+        self.cached = [c.unthreadable() for c in self.contexts]
         self.probed: list[set] = [set() for _ in self.contexts]
         self.steps: list[dict] = [{} for _ in self.contexts]
         # Whether the body ran a stack of layers (model arrays mapped in), per context.
@@ -61,15 +81,18 @@ class _Body:
 
     def __call__(
         self, probes: list, inner: Any, args: tuple, kwargs: dict, index: Any = None, length: int | None = None,
-        visible: list | None = None,
+        visible: list | None = None, plants: list | None = None,
     ):
         """Run the body; `length`: a mapped body's size, `index`: its traced index
         (`None` where no hook needs it);
         `visible`: an enclosed body's inputs standing for the enclosing indices."""
         visible = visible or [None] * len(self.contexts)
-        for context, counts, probe, foreign, seen in zip(self.contexts, self.start, probes, self.foreign, visible):
+        plants = plants or [False] * len(self.contexts)
+        for context, counts, probe, planted, seen, cached in zip(
+            self.contexts, self.start, probes, plants, visible, self.cached
+        ):
             context.counts = dict(counts)
-            context.enter_body(self.outer, inner, probe, foreign, index, length, seen)
+            context.enter_body(self.outer, inner, probe, index, length, seen, planted, cached)
         assert self.fn is not None, "a released body ran again"
         try:
             out = self.fn(*args, **kwargs)
@@ -92,12 +115,12 @@ class _Body:
         indices = [context.scopes[-1].indices for context in self.contexts]
         if not any(context.needs_probes for context in self.contexts):
             return self.no_probes(), indices
-        return [context.scopes[-1].probes for context in self.contexts], indices
+        return [{} if plants else c.scopes[-1].probes for c, plants in zip(self.contexts, self.plants)], indices
 
     def enclosed(self, carried: tuple[list, list], inner: Any, args: tuple, kwargs: dict):
         """Run an enclosed body given what `enclosing` returned, as its input."""
         probes, visible = carried
-        return self(probes, inner, args, kwargs, visible=visible)
+        return self(probes, inner, args, kwargs, visible=visible, plants=self.plants)
 
     def probes(self, run: Callable[[list], Any], logs_of: Callable[[Any], list], length: int | None) -> list:
         """Per context, the backward slots of the layers that run inside the body,
@@ -120,6 +143,16 @@ class _Body:
             if not context.needs_probes:
                 probes.append({})
                 continue
+            depth = len(context.scopes)  # the body's scope, once entered
+            one_step = {key for key, at in steps.items() if any(d == depth for d, _ in at)}
+            if context.carries() or context.scopes[-1].plants:
+                # Planted, one per layer, through the transforms around this one.
+                probes.append({
+                    key: _spread(context.slot(key, _one_step_of(keys[key])), length) if key in one_step
+                    else context.slot(key, keys[key])
+                    for key in keys
+                })
+                continue
             slots = context.scopes[-1].probes
             missing = sorted(set(keys) - set(slots))
             if missing:
@@ -128,8 +161,6 @@ class _Body:
                     "vmap/scan body): call `hooked = hooked.init(*args)` with inputs of "
                     "the shapes you call it with"
                 )
-            depth = len(context.scopes)  # the body's scope, once entered
-            one_step = {key for key, at in steps.items() if any(d == depth for d, _ in at)}
             probes.append({key: _spread(slots[key], length) if key in one_step else slots[key] for key in keys})
         return probes
 
@@ -168,6 +199,10 @@ class _Body:
     def release(self) -> None:
         self.fn = self.outer = None
         self.contexts = []
+
+
+def _one_step_of(template: Any) -> Any:
+    return jtu.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), template)
 
 
 def _spread(slot: Any, length: int | None) -> Any:
@@ -287,9 +322,13 @@ def threaded_scan(real_scan: Callable) -> Callable:
 def threaded_map(real_map: Callable) -> Callable:
     def map(*map_args, **map_kwargs):
         options = _bind(real_map, map_args, map_kwargs)
-        if not _context.active() or options.get("batch_size") is not None:
-            # With batch_size, JAX's own scan-of-vmap runs: logs inside are refused.
+        if not _context.active():
             return real_map(*map_args, **map_kwargs)
+        if options.get("batch_size") is not None:
+            # JAX's own scan-of-vmap plus a remainder: logs would be laid out by
+            # batches, not per element; layers inside are refused.
+            with _context.refusing("jax.lax.map with batch_size"):
+                return real_map(*map_args, **map_kwargs)
         f = options["f"]
         # JAX's own definition of map without batch_size; logs stack per element.
         _, ys = jax.lax.scan(lambda carry, x: (carry, f(x)), (), options["xs"])
@@ -459,6 +498,8 @@ def _jit_call(real_jit: Callable, fun: Callable, options: dict, args: tuple, kwa
         static_out.append(static)
         return dynamic
 
+    _engine_body(jitted_body)
+
     if filtered:
         dynamic_in, static_in = eqx.partition((args, kwargs), eqx.is_array)
         jitted = real_jit(jitted_body)
@@ -517,7 +558,7 @@ def threaded_eval_shape(real_eval_shape: Callable) -> Callable:
         for context in body.contexts:
             context.discovering = True
         try:
-            return real_eval_shape(shaped, *args, **kwargs)
+            return real_eval_shape(_engine_body(shaped), *args, **kwargs)
         finally:
             for context, counts, flag in zip(body.contexts, body.start, flags):
                 context.counts, context.discovering = counts, flag
@@ -540,7 +581,7 @@ def threaded_jit(real_jit: Callable) -> Callable:
 def threaded_filter_jit_call(original_call: Callable) -> Callable:
     """`eqx.filter_jit` wrappers are usually created before hooking begins (decorated
     methods): their call is patched instead of `eqx.filter_jit` itself."""
-    real_jit = _patching.unwrap(jax.jit)
+    real_jit = _patching.entry_point(jax.jit)
 
     def __call__(self, /, *args, **kwargs):
         if not _context.active():
@@ -593,21 +634,117 @@ def threaded_shard_map(real_shard_map: Callable) -> Callable:
     return shard_map
 
 
+def _deferring_infer_params(real_infer_params: Callable) -> Callable:
+    """A `jax.jit` function created before hooking began (decorated at import, or
+    already compiled) traces its body through JAX's `pjit._infer_params`, whose cache
+    may replay a trace made in an earlier hooked call. Its body runs in a deferred
+    scope (`HookContext.enter_deferred`): layers are named through its arguments,
+    calls count from zero, and logs leave through the traced program (`_harvest`)."""
+
+    def infer_params(fun, jit_info, args, kwargs):
+        contexts = _context.active()
+        if not contexts or getattr(fun, _THREADED_BODY, False):
+            return real_infer_params(fun, jit_info, args, kwargs)
+        _jit_arguments.items.append((args, kwargs))
+        try:
+            return real_infer_params(_deferred_body(fun), jit_info, args, kwargs)
+        finally:
+            _jit_arguments.items.pop()
+
+    return infer_params
+
+
+# Marks the engine's own jit bodies, which thread their logs as outputs.
+_THREADED_BODY = "__peex_interop_threaded_body__"
+# The outer arguments of the jit calls being traced in this thread (innermost last).
+_jit_arguments = _context.ThreadStack()
+_deferred_bodies: "weakref.WeakKeyDictionary[Any, Callable]" = weakref.WeakKeyDictionary()
+
+
+def _deferred_body(fun: Callable) -> Callable:
+    """The function that `jax.jit` traces in place of `fun` while hooking.
+
+    One wrapper per function, so that JAX's trace cache (keyed on it) still serves
+    functions that call no selected layer (`jnp`'s own jits). A function that did call
+    one gets a new wrapper in each hooked call: its trace holds that call's hooks
+    (which may close over its values), never to be replayed in another."""
+    if fun in _hooked_inside:
+        # Shape-only runs (slot discovery) trace other programs than the real run.
+        key = (fun, tuple(context.discovering for context in _context.active()))
+        per_call = _context.active()[0].deferred_bodies
+        if key not in per_call:
+            per_call[key] = _make_deferred(fun)
+        return per_call[key]
+    try:
+        return _deferred_bodies[fun]
+    except (KeyError, TypeError):
+        pass
+    deferred = _make_deferred(fun)
+    if _weakrefable(fun):
+        _deferred_bodies[fun] = deferred
+    return deferred
+
+
+_hooked_inside: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _make_deferred(fun: Callable) -> Callable:
+    reference = weakref.ref(fun) if _weakrefable(fun) else (lambda: fun)
+
+    @functools.wraps(fun)
+    def deferred(*args, **kwargs):
+        function = reference()
+        assert function is not None, "a jitted function was collected while traced"
+        contexts = list(_context.active())
+        outer = _jit_arguments.items[-1] if _jit_arguments.items else (args, kwargs)
+        for context in contexts:
+            context.enter_deferred(outer, (args, kwargs))
+        hooked = False
+        try:
+            return function(*args, **kwargs)
+        finally:
+            for context in reversed(contexts):
+                hooked = context.exit_deferred() or hooked
+            if hooked and _weakrefable(function):
+                _hooked_inside.add(function)
+
+    # No strong reference back to `fun`: the wrapper is the value of a weak-keyed cache.
+    del deferred.__wrapped__
+    return deferred
+
+
+def _weakrefable(fun: Any) -> bool:
+    try:
+        weakref.ref(fun)
+    except TypeError:
+        return False
+    return True
+
+
 def transform_patches() -> list[tuple[Any, str, Callable]]:
-    """Patch targets for `_patching.patched`: the public entry points whose bodies the
-    engine threads logs out of."""
+    """Patch targets for `_patching.patched`: JAX's transform entry points, replaced in
+    the cell that holds the function behind them (so every reference is reached: `from
+    jax import vmap`, `import jax.lax as L`, `functools.partial(jax.vmap, ...)`), the
+    jit trace entry of functions jitted before hooking, and the primitives that carry
+    values through the transforms applied before hooking (`_harvest`)."""
+    from jax._src import pjit
+
+    cell = _patching.WRAPPED_FUNCTION
     return [
-        (jax, "vmap", threaded_vmap),
-        (jax.lax, "scan", threaded_scan),
-        (jax.lax, "map", threaded_map),
-        (jax.lax, "fori_loop", threaded_fori_loop),
-        (jax.lax, "cond", threaded_cond),
-        (jax.lax, "switch", threaded_switch),
-        (jax, "checkpoint", threaded_checkpoint),
-        (jax, "remat", threaded_checkpoint),
+        (jax.vmap, cell, threaded_vmap),
+        (jax.lax.scan, cell, threaded_scan),
+        (jax.lax.map, cell, threaded_map),
+        (jax.lax.fori_loop, cell, threaded_fori_loop),
+        (jax.lax.cond, cell, threaded_cond),
+        (jax.lax.switch, cell, threaded_switch),
+        (jax.checkpoint, cell, threaded_checkpoint),
+        # `jax.jit` and `jax.eval_shape` by attribute only: JAX itself calls them by
+        # other references (every eager primitive runs through a `jit`); a jit reached
+        # by another reference is traced in a deferred scope instead.
         (jax, "jit", threaded_jit),
         (jax, "eval_shape", threaded_eval_shape),
         (jax, "shard_map", threaded_shard_map),
         (_JitWrapper, "__call__", threaded_filter_jit_call),
+        (pjit, "_infer_params", _deferring_infer_params),
+        *_harvest.primitive_patches(),
     ]
-

@@ -1,0 +1,320 @@
+"""Carrying logs out of, and backward slots into, transforms the engine did not thread.
+
+The threaded entry points (`_transforms.py`) cover every call of `jax.vmap`,
+`jax.lax.scan`, ... whatever Python reference reached them. What they cannot see is a
+transform applied before hooking began: a function decorated with `@jax.vmap` at import
+(its vmap already happened, as a closure), or a `jax.jit` function compiled before (its
+trace may be replayed from JAX's cache). There, values cross the transform inside the
+traced program, as oryx's `harvest` does it:
+
+- a log recorded where the current trace is not the recording scope's is *sown*: bound
+  as `peex_interop_sow`, a primitive with no outputs, carrying its log key in its
+  parameters. Under `vmap` its batching rule rebinds it on the whole batch (an
+  unbatched value is broadcast: one log row per example), so it arrives at the scope's
+  trace, where it is recorded. In a jit's traced program it is an equation; when the
+  `jit` primitive is bound, its program is rewritten to return the sown values as
+  extra outputs, sown again one level up.
+- a backward slot is *planted*: `peex_interop_plant` has no inputs and returns the
+  slot; under `vmap` it is planted on the whole batch (per-example slots, so
+  cotangents are never summed over examples); in a jit's program it becomes an extra
+  input, planted one level up.
+
+A sown or planted value that reaches a loop (`while_loop`), an unthreaded `scan`/
+`cond`/`checkpoint`, a custom derivative or anything else raises `TransformError`
+naming the layer and that transform: never a dropped log or a summed cotangent.
+
+Keys: a jit compiled before hooking may replay a trace made in an earlier hooked call
+with other call counts, so its calls count from zero inside it (`_Scope.deferred`) and
+are renumbered when they arrive (`HookContext.arrive`), in call order.
+"""
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax._src import core, pjit
+from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
+from jax._src.lax.control_flow import conditionals, loops
+from jax._src.named_sharding import UNSPECIFIED
+
+from ._errors import TransformError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tag:
+    """What travels with a sown or planted value: which context (by position among the
+    active ones, so a cached trace serves a later call with the same selections), the
+    layer, the log key's parts, and the structure of the logged pytree.
+
+    `count` is the call number of the layer inside the jit it was recorded in when
+    `relative` (renumbered on arrival), else the final one. `batch` groups the values
+    brought out of one jit application, which are renumbered together."""
+
+    context: int
+    path: str
+    name: str
+    count: int
+    suffix: str
+    relative: bool
+    treedef: Any
+    static: tuple
+    where: str
+    batch: Any = None
+
+    def key(self, count: int | None = None) -> str:
+        count = self.count if count is None else count
+        return (self.name if count == 0 else f"{self.name}@{count}") + self.suffix
+
+
+sow_p = core.Primitive("peex_interop_sow")
+sow_p.multiple_results = True
+plant_p = core.Primitive("peex_interop_plant")
+plant_p.multiple_results = True
+
+
+def _escaped(primitive: str) -> Callable:
+    def rule(*args, tag: Tag, **params):
+        del args, params
+        raise TransformError(
+            f"a log of layer {tag.path!r} ({primitive}) was recorded under {tag.where}, "
+            "and the program that holds it was run outside the hooked call, or through a "
+            "transform peex_interop cannot thread values out of (it would be a dropped "
+            "log or a summed cotangent)."
+        )
+
+    return rule
+
+
+sow_p.def_impl(_escaped("sown"))
+plant_p.def_impl(_escaped("planted"))
+sow_p.def_abstract_eval(lambda *avals, tag: [])
+plant_p.def_abstract_eval(lambda *, tag, avals: list(avals))
+mlir.register_lowering(sow_p, _escaped("sown"))
+mlir.register_lowering(plant_p, _escaped("planted"))
+# Sown values are used by nobody inside the program: keep them through dead-code passes.
+pe.dce_rules[sow_p] = lambda used_outputs, live_inputs, eqn: ([True] * len(eqn.invars), eqn)
+
+
+def _sow_batched(axis_data, values, dims, *, tag):
+    # Per example, the mapped axis first; an unbatched value is every example's.
+    whole = [
+        jnp.broadcast_to(v, (axis_data.size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
+        for v, d in zip(values, dims)
+    ]
+    return sow_p.bind(*whole, tag=tag), []
+
+
+def _plant_batched(axis_data, values, dims, *, tag, avals):
+    del values, dims
+    whole = tuple(core.ShapedArray((axis_data.size, *a.shape), a.dtype) for a in avals)
+    return plant_p.bind(tag=tag, avals=whole), [0] * len(avals)
+
+
+batching.fancy_primitive_batchers[sow_p] = _sow_batched
+batching.fancy_primitive_batchers[plant_p] = _plant_batched
+
+
+def _sow_jvp(primals, tangents, *, tag):
+    del tangents
+    return sow_p.bind(*primals, tag=tag), []
+
+
+def _plant_jvp(primals, tangents, *, tag, avals):
+    del primals, tangents, avals
+    raise TransformError(
+        f"cannot attach the backward log of layer {tag.path!r}: it runs under {tag.where}, "
+        "autodiff inside the model (jax.grad/jax.vjp/jax.jacrev/jax.linearize called by "
+        "the model's own code); a BackwardHook's slot needs the model's outermost "
+        "differentiation. Use a ForwardHook there, or exclude the layer with where=."
+    )
+
+
+ad.primitive_jvps[sow_p] = _sow_jvp
+ad.primitive_jvps[plant_p] = _plant_jvp
+
+
+def sow(context_index: int, tag_parts: dict, value: Any, where: str) -> None:
+    """Record `value` (a log pytree) for the scope below the current trace."""
+    leaves, treedef = jtu.tree_flatten(value)
+    arrays = [leaf for leaf in leaves if isinstance(leaf, (jax.Array, core.Tracer))]
+    if len(arrays) != len(leaves):
+        static = tuple(None if isinstance(leaf, (jax.Array, core.Tracer)) else leaf for leaf in leaves)
+    else:
+        static = ()
+    tag = Tag(context_index, treedef=treedef, static=static, where=where, **tag_parts)
+    sow_p.bind(*arrays, tag=tag)
+
+
+def plant(context_index: int, tag_parts: dict, template: Any, where: str) -> Any:
+    """The backward slot shaped like `template` (a pytree of arrays), from the scope
+    below the current trace."""
+    leaves, treedef = jtu.tree_flatten(template)
+    tag = Tag(context_index, treedef=treedef, static=(), where=where, **tag_parts)
+    avals = tuple(core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
+    return jtu.tree_unflatten(treedef, plant_p.bind(tag=tag, avals=avals))
+
+
+def unflatten(tag: Tag, arrays: list) -> Any:
+    if not tag.static:
+        return jtu.tree_unflatten(tag.treedef, arrays)
+    it = iter(arrays)
+    return jtu.tree_unflatten(tag.treedef, [next(it) if s is None else s for s in tag.static])
+
+
+# -- where sown values arrive and jit programs are rewritten ----------------------------
+# Set by the engine: `arrival(trace, tag)` -> (context, scope) when `trace` is the trace
+# of the innermost scope of the context the tag names, else None.
+_arrival: list[Callable[[Any, Tag], Any]] = []
+_batches = itertools.count()
+
+
+def _sow_bind(original: Callable) -> Callable:
+    def bind_with_trace(trace, args, avals, params, /):
+        tag = params["tag"]
+        found = _arrival[0](trace, tag) if _arrival else None
+        if found is None:
+            return original(trace, args, avals, params)
+        found[0].arrive(tag, unflatten(tag, list(args)))
+        return []
+
+    return bind_with_trace
+
+
+def _plant_bind(original: Callable) -> Callable:
+    def bind_with_trace(trace, args, avals, params, /):
+        tag = params["tag"]
+        found = _arrival[0](trace, tag) if _arrival else None
+        if found is None:
+            return original(trace, args, avals, params)
+        context, scope = found
+        if scope.deferred or scope.plants:
+            # Slots are not this scope's: the plant passes through (numbered among the
+            # deferred scope's calls when it comes out of a jit inside it).
+            if tag.batch is not None:
+                tag = context.renumber_passing(tag)
+            return original(trace, args, avals, {**params, "tag": tag})
+        template = jtu.tree_unflatten(tag.treedef, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in params["avals"]])
+        return jtu.tree_leaves(context.arrive_slot(tag, template))
+
+    return bind_with_trace
+
+
+def _carried(jaxpr: core.Jaxpr) -> tuple[list, list]:
+    return (
+        [e for e in jaxpr.eqns if e.primitive is sow_p],
+        [e for e in jaxpr.eqns if e.primitive is plant_p],
+    )
+
+
+def _jit_bind(original: Callable) -> Callable:
+    """A jit program holding sown/planted values returns them as extra outputs and takes
+    the slots as extra inputs; they are sown/planted again at the trace it is bound at."""
+
+    def bind_with_trace(trace, args, avals, params, /):
+        jaxpr: core.Jaxpr = params["jaxpr"]
+        sown, planted = _carried(jaxpr)
+        if not sown and not planted:
+            return original(trace, args, avals, params)
+        carried = {id(e) for e in (*sown, *planted)}
+        new_in = [v for e in planted for v in e.outvars]
+        new_out = [a for e in sown for a in e.invars]
+        inner = jaxpr.replace(
+            invars=[*jaxpr.invars, *new_in],
+            outvars=[*jaxpr.outvars, *new_out],
+            eqns=[e for e in jaxpr.eqns if id(e) not in carried],
+            debug_info=jaxpr.debug_info.with_unknown_names(),
+        )
+        batch = next(_batches)
+        slots = []
+        for e in planted:
+            tag = dataclasses.replace(e.params["tag"], batch=(batch, e.params["tag"].batch))
+            slots.extend(plant_p.bind_with_trace(trace, (), (), {"tag": tag, "avals": e.params["avals"]}))
+        k, m = len(new_in), len(new_out)
+        new_params = {
+            **params,
+            "jaxpr": inner,
+            "in_shardings": (*params["in_shardings"], *[UNSPECIFIED] * k),
+            "in_layouts": (*params["in_layouts"], *[None] * k),
+            "donated_invars": (*params["donated_invars"], *[False] * k),
+            "out_shardings": (*params["out_shardings"], *[UNSPECIFIED] * m),
+            "out_layouts": (*params["out_layouts"], *[None] * m),
+        }
+        all_args = (*args, *slots)
+        outs = original(trace, all_args, tuple(core.typeof(x) for x in all_args), new_params)
+        n = len(jaxpr.outvars)
+        extra = list(outs[n:])
+        for e in sown:
+            values, extra = extra[: len(e.invars)], extra[len(e.invars) :]
+            tag = dataclasses.replace(e.params["tag"], batch=(batch, e.params["tag"].batch))
+            sow_p.bind_with_trace(trace, tuple(values), tuple(core.typeof(v) for v in values), {"tag": tag})
+        return outs[:n]
+
+    return bind_with_trace
+
+
+def _jit_impl(original: Callable) -> Callable:
+    """A jit called outside any trace runs its program without binding the primitive:
+    one holding carried values is bound instead, so that `_jit_bind` rewrites it."""
+
+    def call_impl(*args, **params):
+        sown, planted = _carried(params["jaxpr"])
+        if sown or planted:
+            return pjit.jit_p.bind(*args, **params), None, None, []
+        return original(*args, **params)
+
+    return call_impl
+
+
+def _subjaxprs(params: dict) -> list[core.Jaxpr]:
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, core.Jaxpr):
+                found.append(item)
+            elif isinstance(getattr(item, "jaxpr", None), core.Jaxpr):
+                found.append(item.jaxpr)
+    return found
+
+
+def _refusing(name: str) -> Callable[[Callable], Callable]:
+    """A transform whose body may hold sown/planted values that it cannot return:
+    refused, naming the layers."""
+
+    def make(original: Callable) -> Callable:
+        def bind_with_trace(trace, args, avals, params, /):
+            carried = [e for j in _subjaxprs(params) for e in j.eqns if e.primitive in (sow_p, plant_p)]
+            if carried:
+                paths = sorted({e.params["tag"].path for e in carried})
+                raise TransformError(
+                    f"cannot thread the logs of layer(s) {paths} out of {name}: it runs under "
+                    f"{carried[0].params['tag'].where}, reached in a way the engine does not "
+                    "thread (a loop has no per-step output; a body traced before hooking "
+                    "cannot be threaded). Move that transform outside the hooked model, or "
+                    "exclude the layer with where=."
+                )
+            return original(trace, args, avals, params)
+
+        return bind_with_trace
+
+    return make
+
+
+def primitive_patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
+    """Patch targets for `_patching.patched`: instance-level `bind_with_trace` of the
+    carrying primitives, the jit primitive, and the transforms that refuse them."""
+    from jax._src import ad_checkpoint
+
+    return [
+        (sow_p, "bind_with_trace", _sow_bind),
+        (plant_p, "bind_with_trace", _plant_bind),
+        (pjit.jit_p, "bind_with_trace", _jit_bind),
+        (pjit, "_pjit_call_impl_python", _jit_impl),
+        (loops.while_p, "bind_with_trace", _refusing("jax.lax.while_loop (or a fori_loop with traced bounds)")),
+        (loops.scan_p, "bind_with_trace", _refusing("jax.lax.scan")),
+        (conditionals.cond_p, "bind_with_trace", _refusing("jax.lax.cond/switch")),
+        (ad_checkpoint.remat_p, "bind_with_trace", _refusing("jax.checkpoint (applied before hooking began)")),
+    ]
