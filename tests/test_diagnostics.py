@@ -73,6 +73,17 @@ def test_histogram_range_follows_the_data_and_counts_what_it_cannot_bin():
     assert nothing.counts.sum() == 0 and nothing.nan == 3
 
 
+def test_numpy_reads_a_histogram_as_its_counts():
+    x = np.asarray(activations()["a"]).ravel()
+    histogram = jax.jit(px.HistogramLog(bins=12))(x)
+    counts = np.asarray(histogram)
+    assert counts.dtype != object and counts.shape == (12,)
+    np.testing.assert_array_equal(counts, np.histogram(x, 12)[0])
+    # The range follows the data: every value is in a bin.
+    assert np.sum(np.asarray(histogram)) == x.size
+    assert np.asarray(histogram, np.float64).dtype == np.float64
+
+
 def test_a_histogram_over_a_fixed_range_counts_the_values_outside_it():
     # A pre-activation layer: about half its values are below fastai's range (0, 10).
     x = np.asarray(activations()["a"]).ravel() - 1
@@ -116,9 +127,10 @@ def test_histograms_over_ranges_of_a_few_float_steps_count_exactly_against_their
         histogram = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.jit(px.HistogramLog(bins))(x))
         assert len(np.unique(histogram.edges)) < bins + 1  # the case at hand
         assert_counts_every_value(histogram, np.asarray(x, np.float64))
-    # Under vmap each row has its own range: one narrow, one not.
-    rows = jnp.stack([jnp.resize(steps, 50), jax.random.normal(jax.random.key(5), (50,))])
+    # Under vmap the rows share one range, that of all their values: a narrow one here.
+    rows = jnp.stack([jnp.resize(steps, 50), jnp.resize(steps[:2], 50)])
     stacked = jax.jit(jax.vmap(px.HistogramLog()))(rows)
+    np.testing.assert_array_equal(stacked.edges[0], stacked.edges[1])
     for row in range(2):
         assert_counts_every_value(jax.tree.map(lambda a: np.asarray(a[row]), stacked), np.asarray(rows[row]))
 
@@ -154,11 +166,16 @@ def test_stats_pool_the_vmaps_inside_the_model_and_keep_the_scanned_layers():
             continue
         for layer in range(2):  # the scan's steps are different layers: kept apart
             assert_stats_of(at(log[path], layer), values[layer])
-    # pool=False keeps one statistic per position, each histogram over its own range.
+    # pool=False keeps one statistic per position, the histograms over the range of all
+    # positions (every vmap shares it), each layer's its own.
     _, per_position = call(px.ForwardHook(model, log_fn=px.activation_stats(pool=False)), tokens())
     assert per_position["blocks.norm1"]["hist"].counts.shape == (2, 5, 40)
+    layer = np.asarray(raw["blocks.norm1"][1])
     for position in range(5):
-        assert_stats_of(at(per_position["blocks.norm1"], (1, position)), raw["blocks.norm1"][1, position])
+        stats = at(per_position["blocks.norm1"], (1, position))
+        np.testing.assert_allclose(stats["mean"], layer[position].mean(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(stats["hist"].edges, np.histogram(layer, 40)[1], rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(stats["hist"].counts, np.histogram(layer[position], stats["hist"].edges)[0])
 
 
 class OneRow(eqx.Module):
@@ -453,6 +470,16 @@ def test_color_dim_of_unpooled_histograms_says_to_pool_them():
         recorder.color_dim("layers.0")
 
 
+def test_color_dim_of_a_hist_that_is_no_histogram_says_what_it_needs():
+    # A StatsLog-style record of the user's own, with plain counts under "hist".
+    recorder = px.Recorder()
+    recorder.record(0, {"out": {"hist": jnp.histogram(jnp.arange(5.0), 4)[0]}})
+    with pytest.raises(
+        TypeError, match=r"layer 'out' to be a px\.Histogram.*px\.HistogramLog.*got a ndarray of shape \(1, 4\)"
+    ):
+        recorder.color_dim("out")
+
+
 def test_tensorboard_events_read_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 
@@ -531,33 +558,66 @@ def test_shared_range_histograms_inside_a_differentiated_loss_leave_the_gradient
     np.testing.assert_array_equal(log["out"]["hist"].counts, np.histogram(out, 40)[0])
 
 
-def test_pooling_histograms_of_different_ranges_raises():
-    model = Deep(key=jax.random.key(0))
-    xs = jax.random.normal(jax.random.key(1), (4, 3))
-    _, per_example = jax.vmap(px.ForwardHook(model, log_fn=px.activation_stats()))(xs)
-    with pytest.raises(Exception, match=r"histograms of layer '[\w.]+' have different bins"):
-        jax.block_until_ready(eqx.filter_jit(px.pool_stats)(per_example))
-
-
-def test_pooling_checks_the_bins_only_over_axes_the_range_was_not_shared_over():
-    # Two groups of examples at different scales, the range shared over the named
-    # (inner) vmap only: within a group the bins agree, between the groups they differ.
-    model = Deep(key=jax.random.key(0))
-    xs = jax.random.normal(jax.random.key(1), (2, 4, 3)) * jnp.array([1.0, 10.0])[:, None, None]
-    hooked = px.ForwardHook(model, log_fn=px.activation_stats(axis_name="batch"))
-    groups = jax.vmap(jax.vmap(hooked, axis_name="batch"))
-    with pytest.raises(Exception, match=r"histograms of layer '[\w.]+' have different bins"):
-        jax.block_until_ready(eqx.filter_jit(lambda xs: px.pool_stats(groups(xs)[1], 2))(xs))
-    # Over the shared axis alone the bins agree by construction: no check (a host
-    # callback) in the compiled step, and the counts are numpy's over the group.
-    one_group = jax.vmap(hooked, axis_name="batch")
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_per_example_histograms_under_unnamed_vmaps_pool_exactly(nested, jit):
+    # The usual Equinox idiom: a vmap of the user's own around the model, unnamed (and
+    # nested: two groups of examples at different scales). Every example's histogram
+    # shares the range of all of them, so pooling adds counts of the same bins.
+    mlp = eqx.nn.MLP(4, 2, 8, depth=2, key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (2, 3, 4)) * jnp.array([1.0, 10.0])[:, None, None]
+    mapped, num_axes = (lambda f: jax.vmap(jax.vmap(f)), 2) if nested else (jax.vmap, 1)
+    xs = xs if nested else xs.reshape(6, 4)
 
     def pooled(xs):
-        return px.pool_stats(one_group(xs)[1])
+        _, log = mapped(px.ForwardHook(mlp, log_fn=px.activation_stats()))(xs)
+        return px.pool_stats(log, num_axes)
 
-    assert "callback" not in str(jax.make_jaxpr(pooled)(xs[1]))
-    out = np.asarray(jax.vmap(model)(xs[1]))
-    np.testing.assert_array_equal(jax.jit(pooled)(xs[1])["out"]["hist"].counts, np.histogram(out, 40)[0])
+    def activations(xs):
+        return mapped(px.ForwardHook(mlp, log_fn=px.IdentityLog()))(xs)[1]
+
+    # The activations compiled as the statistics are (XLA's fusions may round them
+    # differently from the eager ones).
+    got, raw = (eqx.filter_jit(pooled)(xs), eqx.filter_jit(activations)(xs)) if jit else (pooled(xs), activations(xs))
+    # No run-time check of the bins (a host callback) in the step: they agree by construction.
+    assert "callback" not in str(jax.make_jaxpr(pooled)(xs))
+    for path, values in raw.items():
+        values = np.asarray(values)
+        counts, edges = np.histogram(values, 40)  # over the range of all examples' values
+        np.testing.assert_array_equal(got[path]["hist"].counts, counts)
+        np.testing.assert_array_equal(got[path]["hist"].edges, edges.astype(np.float32))
+        np.testing.assert_allclose(got[path]["mean"], values.mean(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[path]["std"], values.std(), rtol=1e-4)
+
+
+class ScannedStack(eqx.Module):
+    layers: eqx.nn.Linear  # a stack built with eqx.filter_vmap, scanned over
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        step = lambda x, layer: (jnp.tanh(eqx.combine(layer, static)(x)), None)
+        return jax.lax.scan(step, x, dynamic)[0]
+
+
+def test_pooling_the_steps_of_a_scan_inside_the_model_raises_while_tracing():
+    # Each step of the scan (another layer) bins over its own range: pool_stats pools
+    # the vmap around the model, exactly, and refuses the steps while tracing.
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(jax.random.split(jax.random.key(0), 3))
+    xs = jax.random.normal(jax.random.key(1), (5, 4))
+    hooked = jax.vmap(px.ForwardHook(ScannedStack(layers), log_fn=px.activation_stats()))
+    pooled = px.pool_stats(hooked(xs)[1])
+    _, raw = jax.vmap(px.ForwardHook(ScannedStack(layers), log_fn=px.IdentityLog()))(xs)
+    assert raw["layers"].shape == (5, 3, 4) and pooled["layers"]["hist"].counts.shape == (3, 40)
+    for step in range(3):
+        counts = np.histogram(np.asarray(raw["layers"][:, step]), 40)[0]
+        np.testing.assert_array_equal(pooled["layers"]["hist"].counts[step], counts)
+    with pytest.raises(ValueError, match=r"histograms of layer 'layers'.*jax\.lax\.scan.*explicit range"):
+        eqx.filter_eval_shape(lambda xs: px.pool_stats(hooked(xs)[1], 2), xs)
+    # Over an explicit range every step has the same bins: they pool.
+    fixed = jax.vmap(px.ForwardHook(ScannedStack(layers), log_fn=px.activation_stats(range=(-1.0, 1.0))))
+    both = px.pool_stats(fixed(xs)[1], 2)["layers"]["hist"]
+    counts = np.histogram(np.asarray(raw["layers"]), 40, np.float32((-1.0, 1.0)))[0]
+    np.testing.assert_array_equal(both.counts, counts)
 
 
 @pytest.mark.parametrize("bins, value_range", [(40, (0.0, 10.0)), (7, (-2.0, 3.0)), (3, (0.1, 0.7))])

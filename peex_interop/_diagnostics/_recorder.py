@@ -247,7 +247,16 @@ class Recorder(AbstractTabular):
         with needs("px.Recorder.color_dim", "matplotlib"):
             from ._plots import color_dim
 
-        return self._saved(color_dim(path, self.steps, self.hist(path)), file)
+        histogram = self.hist(path)
+        # A "hist" entry of the user's own (a StatsLog of jnp.histogram counts) has no
+        # edges or outside counts to plot against.
+        if not isinstance(histogram, Histogram):
+            got = type(histogram).__name__ + (f" of shape {np.shape(histogram)}" if hasattr(histogram, "shape") else "")
+            raise TypeError(
+                f"Recorder.color_dim needs the 'hist' statistic of layer {path!r} to be a px.Histogram, "
+                f"as logged by px.HistogramLog or px.activation_stats(); got a {got}"
+            )
+        return self._saved(color_dim(path, self.steps, histogram), file)
 
     @staticmethod
     def _saved(figure: Any, file: str | Path | None) -> Any:

@@ -25,17 +25,18 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._engine._context import ThreadStack, zeros_like
-from .._engine._pooling import AbstractPooled, is_pooled, mapped_axes, pool_log, pool_values
+from .._engine._context import CallSite, ThreadStack, zeros_like
+from .._engine._patching import entry_point
+from .._engine._pooling import AbstractPooled, is_pooled, mapped_vmaps, pool_log
 from .._hooks._logs import AbstractLog, MeanLog
 from ._packing import PackedLog, Packing, num_leading_axes
 
 # Bound before hooking patches `jax.lax.cond`, `jax.eval_shape` and `jax.jit`: skipping
 # or compiling a statistic is no model transform, with no layer inside to thread logs
 # out of.
-_real_cond = lax.cond
-_real_eval_shape = jax.eval_shape
-_real_jit = jax.jit
+_real_cond = entry_point(lax.cond)
+_real_eval_shape = entry_point(jax.eval_shape)
+_real_jit = entry_point(jax.jit)
 
 
 def _leafwise(statistic, value: Any) -> Any:
@@ -82,7 +83,7 @@ class _Average(_Statistic):
     def value(self) -> Float[Array, "*batch"]:
         return self.average
 
-    def pool(self, where: str) -> "_Average":
+    def pool(self, where: str, *, mapped: bool = False) -> "_Average":
         return _Average(jnp.mean(self.average, axis=0))
 
 
@@ -100,7 +101,7 @@ class _Spread(_Statistic):
             return self.var
         return (jnp if isinstance(self.var, jax.Array) else np).sqrt(self.var)
 
-    def pool(self, where: str) -> "_Spread":
+    def pool(self, where: str, *, mapped: bool = False) -> "_Spread":
         mean = jnp.mean(self.mean, axis=0)
         return _Spread(mean, jnp.mean(self.var, axis=0) + jnp.mean((self.mean - mean) ** 2, axis=0))
 
@@ -112,7 +113,7 @@ class _Max(_Statistic):
     def value(self) -> Float[Array, "*batch"]:
         return self.max
 
-    def pool(self, where: str) -> "_Max":
+    def pool(self, where: str, *, mapped: bool = False) -> "_Max":
         return _Max(jnp.max(self.max, axis=0))
 
 
@@ -123,7 +124,7 @@ class _Norm(_Statistic):
     def value(self) -> Float[Array, "*batch"]:
         return self.norm
 
-    def pool(self, where: str) -> "_Norm":
+    def pool(self, where: str, *, mapped: bool = False) -> "_Norm":
         return _Norm(jnp.sqrt(jnp.sum(self.norm**2, axis=0)))
 
 
@@ -143,9 +144,8 @@ def computed_when(due: bool | Bool[ArrayLike, ""]) -> Iterator[None]:
         _due.items.pop()
 
 
-@functools.partial(_real_jit, static_argnums=(1, 2, 3, 4))
-def _program(arrays: list, compute: Callable, treedef: Any, others: tuple, names: tuple) -> Any:
-    del names  # read again while tracing (`mapped_axes()`); a key, so that it matches
+@functools.partial(_real_jit, static_argnums=(1, 2, 3))
+def _program(arrays: list, compute: Callable, treedef: Any, others: tuple) -> Any:
     leaves = [other if array is None else array for array, other in zip(arrays, others)]
     return compute(*jtu.tree_unflatten(treedef, leaves))
 
@@ -166,7 +166,7 @@ def _compiled(compute: Callable[..., Any], *inputs: Any) -> Any:
         hash(others)
     except TypeError:
         return compute(*inputs)
-    return _program(arrays, compute, treedef, others, mapped_axes())
+    return _program(arrays, compute, treedef, others)
 
 
 def _when_due(compute: Callable[[Any, Any], Any], config: Any, args: Any) -> Any:
@@ -199,14 +199,26 @@ class _AbstractStatisticLog(AbstractLog):
         whose `value` is what the log shows."""
 
     def __call__(self, args: Any) -> Any:
-        return _when_due(_statistic_values, self, args)
+        return _when_due(_statistic_values, (self, 0), args)
 
     def collect(self, log: dict[str, Any]) -> PackedLog:
         return PackedLog(log)
 
 
-def _statistic_values(log: _AbstractStatisticLog, args: Any) -> Any:
-    return _leafwise(lambda x: log.statistic(x).value, args)
+def _statistic_values(config: tuple[_AbstractStatisticLog, int], args: Any) -> Any:
+    log, kept = config
+    return _leafwise(lambda x: _pooling_form(log, kept)(x).value, args)
+
+
+def _kept_axes(site: CallSite | None) -> int:
+    """How many leading axes the model's own transforms add to the log of a call at
+    `site` and keep (it is pooled over the others, its vmaps'), where one of them is a
+    scan (or `lax.map`, `fori_loop`): a range that follows the data differs from step
+    to step, while a vmap's elements share it. 0 where only vmaps run around the call,
+    or outside a hooked model (`site` None)."""
+    if site is None or len(site.lengths) <= mapped_vmaps():
+        return 0
+    return len(site.log_index)
 
 
 class StdLog(_AbstractStatisticLog):
@@ -259,9 +271,11 @@ class Histogram(AbstractPooled):
     - `nan`: the number of NaNs.
     - `pool_mapped`: whether vmaps inside the model pool it (`px.HistogramLog`'s
         `pool`).
-    - `shared`: over how many of its leading (mapped) axes the bins agree by
-        construction: the number of vmaps the data's range was shared over, `None` for
-        an explicit `range`. Pooling checks the other axes' bins at run time.
+    - `kept`: how many of its innermost leading axes the model's own transforms added
+        and kept where one of them is a scan, along whose steps the bins differ (each
+        step's range follows its own values); `px.pool_stats` refuses to pool them. 0
+        for an explicit `range`, and where only vmaps ran around the call: every vmap
+        shares the range over its elements, so along a vmap's axis the bins agree.
 
     Logged under `jax.lax.scan` (or a vmap with `pool=False`), every field gains the
     leading axes.
@@ -273,7 +287,7 @@ class Histogram(AbstractPooled):
     above: Int[Array, "*batch"]
     nan: Int[Array, "*batch"]
     pool_mapped: bool = eqx.field(static=True, default=True)
-    shared: int | None = eqx.field(static=True, default=0)
+    kept: int = eqx.field(static=True, default=0)
 
     @property
     def low(self) -> Float[Array, "*batch"]:
@@ -299,30 +313,31 @@ class Histogram(AbstractPooled):
     def value(self) -> "Histogram":
         return self
 
-    def pool(self, where: str) -> "Histogram":
-        """Add the counts of histograms stacked along a leading axis; raises (at run
-        time, inside jit too) if their bins differ, rather than add counts of
-        different bins."""
-        edges = self.edges[0]
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """The counts (`np.asarray(histogram)`, `np.sum(histogram)`); without it NumPy
+        would wrap the histogram in a 0-d object array."""
+        return np.asarray(self.counts, dtype=dtype, copy=copy)
+
+    def pool(self, where: str, *, mapped: bool = False) -> "Histogram":
+        """Add the counts of histograms stacked along a leading axis, whose bins agree
+        by construction (a vmap's elements share the range); raises, while tracing,
+        where they may not (the axis is one of those `kept`)."""
+        kept = self.kept
+        if mapped:
+            # A vmap inside the model: one of the axes counted in `kept`, if any.
+            kept = max(kept - 1, 0)
+        elif kept >= jnp.ndim(self.below):
+            raise ValueError(
+                f"px.pool_stats: the histograms of layer {where!r} have {jnp.ndim(self.below)} leading "
+                f"axes left, all kept by the model's own transforms, a jax.lax.scan (or lax.map, fori_loop) "
+                "among them: each step of a scan bins its histogram over its own range (its values' min "
+                "and max), so their counts cannot be added. Pool only the axes of a jax.vmap around the "
+                "model (num_axes; before slicing any of the model's axes away), or give px.HistogramLog / "
+                "px.activation_stats an explicit range=(low, high)."
+            )
         counts = jnp.sum(self.counts, axis=0)
         below, above, nan = (jnp.sum(field, axis=0) for field in (self.below, self.above, self.nan))
-        # Each vmap adds one leading axis: when the range was shared over at least as
-        # many vmaps as there are axes left, the pooled one is one of them and the bins
-        # agree. Only the other cases are checked at run time: the check is a host
-        # callback, which costs every call of the compiled step its C++ fast path.
-        if self.shared is None or self.shared >= jnp.ndim(self.below):
-            shared = self.shared if self.shared is None else self.shared - 1
-            return Histogram(counts, edges, below, above, nan, self.pool_mapped, shared)
-        counts = eqx.error_if(
-            counts,
-            jnp.any(self.edges != edges),
-            f"px.pool_stats: the histograms of layer {where!r} have different bins (each "
-            "example's range follows its own values), so their counts cannot be added. Give "
-            "px.HistogramLog / px.activation_stats an explicit range=(low, high), or vmap with "
-            "axis_name='batch' and pass axis_name='batch' to it so that all examples share one range.",
-        )
-        # The pooled axis may have been one of the shared ones.
-        return Histogram(counts, edges, below, above, nan, self.pool_mapped, max(self.shared - 1, 0))
+        return Histogram(counts, self.edges[0], below, above, nan, self.pool_mapped, kept)
 
 
 def _edges(index: Any, low: Any, high: Any, bins: int) -> Any:
@@ -369,10 +384,27 @@ def _counter(length: int) -> Callable[[Any], Any]:
     return count
 
 
-def _finite_range(x: Any, axis_names: tuple[Hashable, ...]) -> tuple[Any, Any]:
+@custom_vmap
+def _extrema(x: Any) -> tuple[Any, Any]:
+    """The min and max of the finite values of `x` (`inf`, `-inf` if none). Under a
+    vmap, any vmap (named or not, around the hooked model or inside it, nested), those
+    of every element's values: the same for all, so that their histograms have the same
+    bins and pool exactly. A vmap around the model is the user's: unnamed, it has no
+    axis for a collective (`jax.lax.pmin`) to share the range over."""
     finite = jnp.isfinite(x)
-    low = jnp.min(jnp.where(finite, x, jnp.inf))
-    high = jnp.max(jnp.where(finite, x, -jnp.inf))
+    return jnp.min(jnp.where(finite, x, jnp.inf)), jnp.max(jnp.where(finite, x, -jnp.inf))
+
+
+@_extrema.def_vmap
+def _extrema_mapped(axis_size: int, in_batched: list[bool], x: Any) -> tuple[tuple[Any, Any], tuple[bool, bool]]:
+    # Reduced over the mapped axis too, and left unmapped: the bins that follow are
+    # computed once, not once per element. An enclosing vmap meets `_extrema` again.
+    return _extrema(x), (False, False)
+
+
+def _finite_range(x: Any, axis_names: tuple[Hashable, ...]) -> tuple[Any, Any]:
+    low, high = _extrema(x)
+    # Axes that are no vmap's (`jax.shard_map`, `jax.pmap`): shared by name.
     if axis_names:
         low, high = lax.pmin(low, axis_names), lax.pmax(high, axis_names)
     # numpy.histogram's conventions: a single value gets a range of width 1 around it;
@@ -429,12 +461,13 @@ class HistogramLog(_AbstractStatisticLog):
     as a `px.Histogram`: no value is ever dropped, those outside the bins are counted.
 
     Without `range`, the bins span the finite values of each call (their min and max,
-    like `numpy.histogram`; `-inf` and `inf` count as below and above), shared over the
-    vmaps inside the model, which pool the histograms. Histograms of different calls
-    then have different bins: `px.pool_stats` adds histograms only when their bins
-    agree, so for per-example models under a `jax.vmap` of your own give the vmap an
-    `axis_name` and pass it here, so that all examples share one range (as
-    `eqx.nn.BatchNorm` shares its statistics), or give an explicit `range`.
+    like `numpy.histogram`; `-inf` and `inf` count as below and above), shared over
+    every vmap the call runs in, named or not: the vmaps inside the model, which pool
+    the histograms, and a `jax.vmap` of your own around a per-example model, whose
+    histograms `px.pool_stats` then pools exactly. Only the steps of a scan (inside the
+    model or around it) keep ranges of their own: `px.pool_stats` refuses to pool the
+    steps of the model's own scans, and a scan around the model is yours not to pool
+    (or give an explicit `range`).
 
     A forward log only: a `px.BackwardHook` log travels as a gradient, and gradients do
     not carry integer counts.
@@ -443,12 +476,12 @@ class HistogramLog(_AbstractStatisticLog):
 
     - `bins`: the number of equal bins (fixed, so the log has a fixed shape under jit).
     - `range`: `(low, high)` of the bins; values outside are counted as below or above.
-        Default: the finite min and max of each call's values (of the whole vmapped
-        batch with `axis_name`, and of all elements of the vmaps inside the model).
-    - `axis_name`: the name of a `jax.vmap` axis (or a tuple of names) around the
-        model over which every example shares the data's range.
+        Default: the finite min and max of each call's values, of all the elements of
+        every vmap around it.
+    - `axis_name`: the name of a mapped axis that is no vmap's (a `jax.shard_map` or
+        `jax.pmap` axis; or a tuple of names) over which the data's range is shared too.
     - `pool`: pool over the vmaps inside the model (default); False keeps one histogram
-        per mapped element (each with its own range, unless `range` or `axis_name`).
+        per mapped element (all over the same range).
     """
 
     bins: int = eqx.field(static=True, default=40)
@@ -461,14 +494,18 @@ class HistogramLog(_AbstractStatisticLog):
             raise ValueError(f"HistogramLog needs range=(low, high) with low < high, got {self.range}")
 
     @property
-    def needs_axis_names(self) -> bool:
-        """Whether the engine must name the vmaps inside the model: to pool, the
-        histograms share the data's range over them."""
-        return self.pool and self.range is None
+    def needs_indices(self) -> bool:
+        # It takes the call site for its static parts (`_kept_axes`), not the indices.
+        return False
 
-    def statistic(self, x: Array) -> Histogram:
-        # Counts have no gradient; this also keeps pmin/pmax (no differentiation rule)
-        # usable inside a loss that is differentiated.
+    def __call__(self, args: Any, site: CallSite | None = None) -> Any:
+        return _when_due(_statistic_values, (self, _kept_axes(site)), args)
+
+    def statistic(self, x: Array, kept: int = 0) -> Histogram:
+        """The histogram of `x`; `kept`: the leading axes the model's own transforms
+        will keep, scans among them (`_kept_axes`)."""
+        # Counts have no gradient; this also keeps pmin/pmax and `_extrema` (no
+        # differentiation rules) usable inside a loss that is differentiated.
         # Materialised once, in its own shape: a layer's output is often no array yet
         # (XLA fuses `dot + bias` into each of its consumers), and each of the ~8 passes
         # below would recompute it, raveled: a flat index into the broadcast bias, an
@@ -477,12 +514,10 @@ class HistogramLog(_AbstractStatisticLog):
         # are raveled, to count them.
         x = lax.optimization_barrier(lax.stop_gradient(x))
         if self.range is None:
-            names = tuple(dict.fromkeys(self._axis_names() + (mapped_axes() if self.pool else ())))
-            low, high = _finite_range(x, names)
-            shared = len(names)
+            low, high = _finite_range(x, self._axis_names())
         else:
             low, high = (jnp.asarray(end, x.dtype) for end in self.range)
-            shared = None
+            kept = 0  # the same bins along every axis
         edges = _edges(jnp.arange(self.bins + 1), low, high, self.bins)
 
         # The values outside the bins go to three more slots (below, above, NaN), so
@@ -505,7 +540,7 @@ class HistogramLog(_AbstractStatisticLog):
         )
         counts = _counter(self.bins + 3)(slot)
         below, above, nan = (counts[..., self.bins + i] for i in range(3))
-        return Histogram(counts[..., : self.bins], edges, below, above, nan, self.pool, shared)
+        return Histogram(counts[..., : self.bins], edges, below, above, nan, self.pool, kept)
 
     def _axis_names(self) -> tuple[Hashable, ...]:
         if self.axis_name is None:
@@ -566,14 +601,22 @@ class Stats(AbstractPooled, Mapping):
     def __len__(self) -> int:
         return len(self.names)
 
-    def pool(self, where: str) -> "Stats":
+    def pool(self, where: str, *, mapped: bool = False) -> "Stats":
         # Pooling keeps every array's own shape (and may change a histogram's static
-        # fields): the pooled statistics are packed along the same shapes.
-        pooled = {name: pool_values(value, where) for name, value in self.statistics.items()}
+        # fields): the pooled statistics are packed along the same shapes. All of them
+        # pool with the `Stats`, whatever their own `pool_mapped`.
+        pooled = {
+            name: jtu.tree_map(lambda v: v.pool(where, mapped=mapped), value, is_leaf=is_pooled)
+            for name, value in self.statistics.items()
+        }
         return Stats(pooled, self.pool_mapped, _own_shapes=self.packing.own_shapes())
 
 
-def _pooling_form(log: AbstractLog):
+def _pooling_form(log: AbstractLog, kept: int = 0):
+    """The statistic `log` computes, in its pooling form; `kept`: the leading axes the
+    model's own transforms will keep (`_kept_axes`), which a histogram must know."""
+    if isinstance(log, HistogramLog):
+        return functools.partial(log.statistic, kept=kept)
     if isinstance(log, _AbstractStatisticLog):
         return log.statistic
     if isinstance(log, MeanLog):
@@ -611,19 +654,21 @@ class StatsLog(AbstractLog):
             _pooling_form(log)
 
     @property
-    def needs_axis_names(self) -> bool:
-        """Whether the engine must name the vmaps inside the model (for a histogram)."""
-        return any(getattr(log, "needs_axis_names", False) for log in self.logs.values())
+    def needs_indices(self) -> bool:
+        # It takes the call site for its static parts (`_kept_axes`), not the indices.
+        return False
 
-    def __call__(self, args: Any) -> Stats:
-        return _when_due(StatsLog._stats, self, args)
+    def __call__(self, args: Any, site: CallSite | None = None) -> Stats:
+        return _when_due(_stats_of, (self, _kept_axes(site)), args)
 
     def collect(self, log: dict[str, Any]) -> PackedLog:
         return PackedLog(log)
 
-    def _stats(self, args: Any) -> Stats:
-        forms = {name: _pooling_form(log) for name, log in self.logs.items()}
-        return Stats({name: _leafwise(form, args) for name, form in forms.items()}, self.pool)
+
+def _stats_of(config: tuple[StatsLog, int], args: Any) -> Stats:
+    log, kept = config
+    forms = {name: _pooling_form(statistic, kept) for name, statistic in log.logs.items()}
+    return Stats({name: _leafwise(form, args) for name, form in forms.items()}, log.pool)
 
 
 def activation_stats(
@@ -640,7 +685,7 @@ def activation_stats(
     - `near_zero`: threshold of the near-zero fraction.
     - `bins`, `range`, `axis_name`: the histogram's, as for `px.HistogramLog` (fastai
         uses 40 bins over `(0, 10)`, which suits activations after a ReLU; by default the
-        range follows the data).
+        range follows the data, shared over every vmap).
     - `pool`: pool over the vmaps inside the model (default: one value per layer);
         False keeps one value per example or position there.
 
@@ -666,16 +711,18 @@ def pool_stats(log: Mapping[str, Any], num_axes: int = 1) -> Mapping[str, Any]:
     Layers of a model under a `jax.vmap` of your own (the usual Equinox style: the
     model runs per example) log one statistic per example; pooling inside the compiled
     step keeps what is returned and recorded independent of the batch size (the vmaps
-    inside the model are pooled already). Histograms are added, which is exact only
-    when their bins agree: an explicit range, or one shared over the vmap's
-    `axis_name` (see `px.HistogramLog`); otherwise this raises (at run time, inside
-    jit too) instead of adding counts of different bins.
+    inside the model are pooled already). Histograms are added, which is exact because
+    every vmap's elements share one range (see `px.HistogramLog`). The steps of a scan
+    do not: this raises, while tracing, rather than pool the steps of the model's own
+    scans (a scanned stack of layers); the axes of a scan around the model cannot be
+    told from a vmap's, so pool only those of vmaps (or give an explicit `range`).
 
     **Arguments:**
 
     - `log`: a log of `px.StatsLog` or `px.activation_stats()` (`{path: stats}`), or of
         `px.HistogramLog`.
-    - `num_axes`: how many leading (example) axes to pool.
+    - `num_axes`: how many leading (example) axes to pool: those of the vmaps around
+        the model.
 
     **Returns:**
 

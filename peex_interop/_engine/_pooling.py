@@ -12,9 +12,11 @@ since a scan over a stack of layers runs different layers, and a scan over time 
 different steps; `shard_map` keeps one block per device (a fixed number).
 
 Pooling needs every element of the mapped axis to describe the same bins (histograms):
-`mapped_axes()` names the threaded vmaps whose bodies are being traced, so that a
-statistic can share its range over them with a collective (`jax.lax.pmin`). A log that
-does so says `needs_axis_names`, and the engine names every threaded vmap for it.
+a histogram shares its range over every vmap by a `custom_vmap` rule (see
+`_diagnostics/_stats.py`), and `mapped_vmaps()` counts the threaded vmaps around a
+statistic, so that it can tell whether it also runs in a scan, whose steps keep their
+own ranges. `mapped_axes()` names the threaded vmaps whose bodies are being traced, for a
+log that says `needs_axis_names` (the engine then names every threaded vmap for it).
 """
 
 from abc import abstractmethod
@@ -47,7 +49,7 @@ class AbstractPooled(eqx.Module):
         any log)."""
 
     @abstractmethod
-    def pool(self, where: str) -> Self:
+    def pool(self, where: str, *, mapped: bool = False) -> Self:
         """Combine a stack of values, each the statistic of one equal-sized group of
         values, stacked along a new leading axis of every array, into the statistic
         of all the groups' values.
@@ -55,6 +57,8 @@ class AbstractPooled(eqx.Module):
         **Arguments:**
 
         - `where`: the log key the value was recorded under, for error messages.
+        - `mapped`: whether the axis is a vmap's inside the model, pooled as the vmap
+            returns (else one that `px.pool_stats` pools, from around the model).
 
         **Returns:**
 
@@ -75,7 +79,7 @@ def pool_values(tree: Any, where: str, num_axes: int = 1, *, mapped: bool = Fals
         if not is_pooled(value) or (mapped and not value.pool_mapped):
             return value
         for _ in range(num_axes):
-            value = value.pool(where)
+            value = value.pool(where, mapped=mapped)
         return value
 
     return jtu.tree_map(pooled, tree, is_leaf=is_pooled)
@@ -87,6 +91,7 @@ def pool_log(log: dict[str, Any], num_axes: int = 1, *, mapped: bool = False) ->
 
 
 _axes = ThreadStack()
+_vmaps = ThreadStack()
 
 
 def mapped_axes() -> tuple[Hashable, ...]:
@@ -94,6 +99,12 @@ def mapped_axes() -> tuple[Hashable, ...]:
     being traced in this thread, outermost first: what a pooled statistic is pooled
     over when it leaves them."""
     return tuple(_axes.items)
+
+
+def mapped_vmaps() -> int:
+    """How many threaded vmaps inside the hooked model, named or not, have bodies being
+    traced in this thread: the mapped bodies around a statistic that are no scans."""
+    return len(_vmaps.items)
 
 
 def pooled_vmap(real_vmap: Callable, threaded: Any) -> Callable:
@@ -114,9 +125,11 @@ def pooled_vmap(real_vmap: Callable, threaded: Any) -> Callable:
 
         def named_body(*args, **kwargs):
             _axes.items.extend(names)
+            _vmaps.items.append(None)
             try:
                 return body(*args, **kwargs)
             finally:
+                _vmaps.items.pop()
                 del _axes.items[len(_axes.items) - len(names) :]
 
         mapped = real_vmap(named_body, in_axes, out_axes, **options)
