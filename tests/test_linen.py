@@ -541,6 +541,18 @@ def test_transfer_between_linen_and_nnx_is_exact_both_ways(name):
     jax.tree.map(close, back.variables, linen.variables)
 
 
+@pytest.mark.parametrize("linen_first", [True, False])
+def test_a_transfer_with_inputs_leaks_no_tracers_of_its_abstract_run(linen_first):
+    # The deconv's stride and padding are learnt from bound linen modules of an abstract
+    # run, whose scopes hold that run's tracers: they are kept unbound.
+    make_linen, make_nnx, shape = PORTS["deconv"]
+    x = jax.random.normal(key(1), shape)
+    source, destination = (make_linen(x), make_nnx()) if linen_first else (make_nnx(), make_linen(x))
+    with jax.checking_leaks():
+        ported = px.transfer_params(source, destination, px.align(source, destination, x).mapping, inputs=x)
+    close(ported(x), source(x))
+
+
 def test_compare_pinpoints_a_porting_bug():
     x = jax.random.normal(key(1), (2, 5, 4))
     linen = _linen(Block(), x)

@@ -81,6 +81,43 @@ def test_wrong_port_is_pinpointed(trio):
     assert px.compare(models["haiku"], transposed, images).first_divergence.path_a == "conv2"
 
 
+def test_with_cotangents_the_first_divergence_is_the_first_wrong_output():
+    # A wrong middle layer changes the cotangents of every layer before it, whose
+    # outputs agree exactly: those are cotangent-only, not the first divergence.
+    mlp = eqx.nn.MLP(4, 3, 8, 3, key=jax.random.key(0))
+    wrong = eqx.tree_at(lambda m: m.layers[2].weight, mlp, mlp.layers[2].weight * 1.5)
+    x = jnp.linspace(-1.0, 1.0, 4)
+    comparison = px.compare(mlp, wrong, x, cotangents=True)
+    assert comparison.first_divergence.path_a == "layers.2"
+    assert px.compare(mlp, wrong, x).first_divergence.path_a == "layers.2"
+    assert [row.path_a for row in comparison.cotangent_only_rows] == ["layers.0", "layers.1"]
+    # Independently: their outputs are bit-equal, their cotangents are not.
+    for i in (0, 1):
+        row = comparison.rows[i]
+        assert row.diverged and row.cotangent_only and row.max_abs == 0 and row.cotangent_max_abs > 1e-3
+    assert not comparison.rows[3].cotangent_only and comparison.rows[3].diverged
+    text = str(comparison)
+    assert "layers.2 -> layers.2; 2 layers diverge in their cotangents only" in text
+    assert text.count("diverged (cotangent only)") == 2
+
+
+def test_a_wrong_backward_pass_alone_is_a_cotangent_only_first_divergence():
+    # Every output agrees; the activation's VJP doubles the cotangent: the backward
+    # pass first goes wrong after layers.1, the last layer whose cotangent diverges.
+    @jax.custom_vjp
+    def identity(x):
+        return x
+
+    identity.defvjp(lambda x: (x, None), lambda _, g: (2 * g,))
+    mlp = eqx.nn.MLP(4, 3, 8, 2, activation=lambda x: x, key=jax.random.key(0))
+    wrong = eqx.tree_at(lambda m: m.activation, mlp, identity)
+    comparison = px.compare(mlp, wrong, jnp.linspace(-1.0, 1.0, 4), cotangents=True)
+    first = comparison.first_divergence
+    assert first.path_a == "layers.1" and first.cotangent_only
+    assert [row.path_a for row in comparison.cotangent_only_rows] == ["layers.0", "layers.1"]
+    assert "(cotangent only: every output agrees)" in str(comparison)
+
+
 class Attention(eqx.Module):
     attn: eqx.nn.MultiheadAttention
 

@@ -627,6 +627,19 @@ def test_transfer_is_exact_in_every_direction(kind, a, b):
     assert len(comparison.rows) == len(alignment.mapping)
 
 
+@pytest.mark.parametrize("a, b", [("nnx", "equinox"), ("equinox", "nnx"), ("haiku", "nnx"), ("nnx", "haiku")])
+def test_a_transfer_with_inputs_leaks_no_tracers_of_its_abstract_run(a, b):
+    # The abstract run learns each converted layer's module; an NNX module seen there
+    # holds that run's tracers, and must not outlive it.
+    x, models = mlp()
+    source, destination = perturbed(models[a], 0), models[b]
+    with jax.checking_leaks():
+        mapping = px.align(source, destination, x).mapping
+        port = px.transfer_params(source, destination, mapping, inputs=x)
+    np.testing.assert_allclose(output(port, x), output(source, x), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(output(destination, x), output(source, x), atol=1e-3)
+
+
 # -- px.compare pinpoints each class of porting bug at its layer ------------------------
 
 

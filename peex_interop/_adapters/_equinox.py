@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from .._engine import _context, _patching
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, refuse
+from .._engine._layouts import Container, Layout, Param, axes, put_like, refuse
 from .._engine._paths import AbstractTransparent, children, join, walk
 
 # Equinox's built-in layers, by library-independent kind (`px.KINDS`).
@@ -217,5 +217,7 @@ def equinox_write(
     if "mean" in values:
         state = _with_batch_norm_stats(module, state, values["mean"], values["var"])
     if present:
-        module = eqx.tree_at(lambda m: [getattr(m, f) for f, _ in present], module, [v for _, v in present])
+        # Equinox keeps no metadata beside an array: it goes where the one it replaces is.
+        placed = [put_like(path, v, getattr(module, f)) for f, v in present]
+        module = eqx.tree_at(lambda m: [getattr(m, f) for f, _ in present], module, placed)
     return module, state

@@ -185,6 +185,10 @@ class FunctionModule(AbstractConverted):
         `FunctionLayer` seen during a call) tells the layer's kind."""
         return _function_layout(self, local, modules or {})
 
+    def detached(self, module: FunctionLayer) -> FunctionLayer:
+        """The layer without the params it received: its type tells its function."""
+        return type(module)(None)
+
     def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "FunctionModule":
         """A copy with `values` (from `_layouts.fit`) in the subtree at `local`: new
         containers along the way, the user's params are never mutated."""

@@ -21,7 +21,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._engine import _context
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, lax_transpose_padding, refuse
+from .._engine._layouts import Container, Layout, Param, axes, is_abstract, lax_transpose_padding, put_like, refuse
 from .._engine._paths import AbstractConverted
 from ._replace import replace
 
@@ -335,10 +335,15 @@ def _is_attention(params: dict, local: tuple[str, ...], modules: dict) -> bool:
     )
 
 
-def _lstm(params: dict, local: tuple[str, ...]) -> tuple[Layout, str]:
+def _lstm_key(params: dict, local: tuple[str, ...]) -> str:
     key = _param_key(params, (*local, "linear"))
     if key is None:
         raise HookError(f"transfer_params: the hk.LSTM at {'.'.join(local)!r} has no parameters")
+    return key
+
+
+def _lstm(params: dict, local: tuple[str, ...]) -> Layout:
+    key = _lstm_key(params, local)
     w, b = params[key]["w"], params[key].get("b")
     hidden = w.shape[-1] // 4
     gates = axes(("gate", "hidden"))[0]
@@ -347,7 +352,7 @@ def _lstm(params: dict, local: tuple[str, ...]) -> tuple[Layout, str]:
         "hidden_kernel": Param(w[..., w.shape[-2] - hidden :, :], axes("recurrent", gates)),
         "bias": Param(b, axes(gates), (("gate", "f", 1.0),)),
     }, {"hidden": hidden}, {"gate": _LSTM_GATES})
-    return layout, key
+    return layout
 
 
 def _transpose(params: dict, local: tuple[str, ...], module: hk.ConvNDTranspose) -> Layout:
@@ -383,7 +388,7 @@ def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: di
     path = ".".join(local)
     module = modules.get(local)
     if isinstance(module, hk.LSTM):
-        return _lstm(params, local)[0]
+        return _lstm(params, local)
     if isinstance(module, (hk.GRU, hk.VanillaRNN)):
         raise refuse(
             path,
@@ -445,12 +450,19 @@ def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: di
 _NATIVE = {"kernel": "w", "bias": "b", "embedding": "embeddings", "scale": "scale", "offset": "offset"}
 
 
+def _into(path: str, old: dict, new: dict) -> dict:
+    # Haiku keeps no metadata beside an array: where it goes is the sharding of the
+    # array (or of the abstract one) it replaces.
+    return {**old, **{name: put_like(path, value, old.get(name)) for name, value in new.items()}}
+
+
 def _haiku_write(params: dict, state: dict, local: tuple[str, ...], modules: dict, values: dict) -> tuple[dict, dict]:
+    path = ".".join(local)
     if isinstance(modules.get(local), hk.LSTM):
-        _, key = _lstm(params, local)
+        key = _lstm_key(params, local)
         kernel = jnp.concatenate([values["input_kernel"], values["hidden_kernel"]], axis=-2)
         new = {"w": kernel, **({"b": values["bias"]} if "bias" in values else {})}
-        return {**params, key: {**params[key], **new}}, state
+        return {**params, key: _into(path, params[key], new)}, state
     key = _param_key(params, local)
     assert key is not None  # _haiku_layout found it
     new_state = dict(state)
@@ -458,6 +470,10 @@ def _haiku_write(params: dict, state: dict, local: tuple[str, ...], modules: dic
         if name in values:
             ema = f"{key}/~/{name}_ema"
             # Inference reads `average`; `hidden` restarts the moving average from it.
-            new_state[ema] = {**state[ema], "average": values[name], "hidden": values[name]}
+            new = {"average": values[name], "hidden": values[name]}
+            if is_abstract(state[ema].get("counter")):
+                # An abstract destination has no count of updates: a fresh one's is 0.
+                new["counter"] = jnp.zeros(state[ema]["counter"].shape, state[ema]["counter"].dtype)
+            new_state[ema] = _into(path, state[ema], new)
     native = {_NATIVE[name]: value for name, value in values.items() if name in _NATIVE}
-    return {**params, key: {**params[key], **native}}, new_state
+    return {**params, key: _into(path, params[key], native)}, new_state

@@ -24,12 +24,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.core import axes_scan
+from flax.linen.spmd import logical_to_mesh_sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, axes, placed, refuse
+from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse
 from .._engine._paths import AbstractConverted
 from ._nnx import flax_transpose_spec
 from ._replace import replace
@@ -196,18 +197,26 @@ class LinenModule(AbstractConverted):
         """The parameters (and BatchNorm statistics) of the submodule at `local` in
         named axes (`_engine/_layouts.py`); `modules` (local path -> the linen module
         seen during a call) tells what the variables alone do not (a module's class)."""
-        return _linen_layout(self.variables, local, modules or {})
+        return _linen_layout(_unboxed(self.variables), local, modules or {})
+
+    def detached(self, module: nn.Module) -> nn.Module:
+        """An unbound copy of a bound linen module (its submodule attributes too): its
+        class and settings without the scope, which holds the call's variables."""
+        return module.copy(parent=None)
 
     def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "LinenModule":
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`: new
-        dicts along the way, the user's variables are never mutated."""
-        spec = _linen_spec(self.variables, local, modules or {})[1]
+        dicts along the way, the user's variables are never mutated; a variable in a
+        metadata box (`nn.Partitioned`) stays in a box with the same metadata."""
+        spec = _linen_spec(_unboxed(self.variables), local, modules or {})[1]
         variables = self.variables
         for name, value in values.items():
             locations = spec[name][0]
             parts = [value] if len(locations) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(locations))]
             for (collection, relative), part in zip(locations, parts):
-                variables = _replaced(variables, (collection, *local, *relative), part)
+                where = (collection, *local, *relative)
+                written = _written(".".join(local), _node(variables, where), part)
+                variables = _replaced(variables, where, written)
         return eqx.tree_at(lambda m: m.variables, self, variables)
 
 
@@ -370,6 +379,50 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
             # Several variables (one per gate) form one parameter along a gate axis.
             values[name] = placed(found[0] if len(found) == 1 else jnp.stack(found, axis=-2), ax)
     return Layout(kind, values, {}, orders, facts)
+
+
+# -- metadata boxes ------------------------------------------------------------------
+# `nn.with_partitioning` / `nn.with_logical_partitioning` initialisers store a variable
+# boxed (`nn.Partitioned`, `nn.LogicallyPartitioned`: `flax.core.meta.AxisMetadata`);
+# `apply` unboxes it, applying the partitioning as a sharding constraint. Values are
+# read from the box as stored, and written back into a copy of it.
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _contents(box: Any) -> Any:
+    # A Partitioned box's `unbox()` constrains its value's sharding; the stored value
+    # is what is read.
+    return box.value if isinstance(box, nn.Partitioned) else box.unbox()
+
+
+def _unboxed(variables: Mapping[str, Any]) -> Any:
+    """The variables with every metadata box replaced by the value it holds."""
+    return jax.tree.map(lambda x: _contents(x) if _is_box(x) else x, variables, is_leaf=_is_box)
+
+
+def _box_sharding(box: Any) -> Any:
+    """The sharding a partitioning box declares on its mesh (the box's own, else the one
+    of `jax.set_mesh`), logical names resolved by its rules or `nn.logical_axis_rules`;
+    `None` without a mesh."""
+    if not isinstance(box, nn.Partitioned):
+        return None
+    mesh = box.mesh if box.mesh is not None else context_mesh()
+    if mesh is None:
+        return None
+    if isinstance(box, nn.LogicallyPartitioned):
+        return logical_to_mesh_sharding(box.get_partition_spec(), mesh, box.rules)
+    return box.get_sharding(mesh)
+
+
+def _written(path: str, current: Any, value: Any) -> Any:
+    """`value` as the destination variable `current` (an array, an abstract one, or a
+    box) holds it: placed with its sharding, in a copy of its box."""
+    if not _is_box(current):
+        return put_like(path, value, current)
+    return current.replace_boxed(put_like(path, value, _contents(current), _box_sharding(current)))
 
 
 def _replaced(tree: Mapping[str, Any], path: Path, value: Any) -> dict[str, Any]:

@@ -23,15 +23,27 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from flax import nnx
+from flax.nnx.spmd import get_var_pspec
 from jaxtyping import PyTree
 
 from .._engine import _context, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, lax_transpose_padding, placed, refuse
+from .._engine._layouts import (
+    Container,
+    Layout,
+    Param,
+    axes,
+    context_mesh,
+    lax_transpose_padding,
+    placed,
+    put_like,
+    refuse,
+)
 from .._engine._paths import AbstractConverted
 
 Path = tuple[str, ...]
@@ -125,6 +137,11 @@ class NnxModule(AbstractConverted):
         named axes (`_engine/_layouts.py`). NNX modules exist outside calls: `modules`
         adds nothing."""
         return _nnx_layout(self._merged(), local)
+
+    def detached(self, module: nnx.Module) -> None:
+        """`None`: `read_layer` reads the NNX modules themselves, and a module seen
+        during a call holds that call's arrays."""
+        return None
 
     def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "NnxModule":
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`."""
@@ -478,11 +495,31 @@ def _nnx_layout(root: nnx.Module, local: Path) -> Layout | Container:
     return Layout(kind, params, {}, orders, facts)
 
 
+def _declared_sharding(variable: nnx.Variable) -> Any:
+    """The sharding an NNX variable's `out_sharding` metadata declares, on its `mesh`
+    metadata or the mesh of `jax.set_mesh` (names mapped by its `sharding_rules` and
+    `nn.logical_axis_rules`, as NNX does when it creates the variable); `None` without
+    metadata or a mesh."""
+    names = variable.get_metadata("out_sharding", None)
+    if not names:
+        return None
+    if isinstance(names, jax.sharding.Sharding):
+        return names
+    mesh = variable.get_metadata("mesh", None)
+    mesh = context_mesh() if mesh is None else mesh
+    spec = get_var_pspec(variable)
+    return None if mesh is None or spec is None else jax.sharding.NamedSharding(mesh, spec)
+
+
 def _nnx_write(root: nnx.Module, local: Path, values: dict[str, Any]) -> None:
+    # Values go into the existing Variables: their type and metadata (sharding names,
+    # rules, mesh) stay, and an abstract one becomes concrete.
+    path = ".".join(local)
     layer, parent = _find(root, local)
-    _, spec, _, _ = _nnx_spec(layer, parent, local[-1] if local else "", ".".join(local))
+    _, spec, _, _ = _nnx_spec(layer, parent, local[-1] if local else "", path)
     for name, value in values.items():
         attributes = spec[name][0]
         parts = [value] if len(attributes) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(attributes))]
         for attribute, part in zip(attributes, parts):
-            _variable(layer, attribute).set_value(part)
+            variable = _variable(layer, attribute)
+            variable.set_value(put_like(path, part, variable.get_value(), _declared_sharding(variable)))

@@ -14,6 +14,12 @@ permutes the atoms by name and merges them as the destination declares, with eve
 atom's size checked equal on both sides. There is no reshape of "anything of equal
 size": what cannot be matched atom by atom raises an error naming the layer.
 
+A destination may be abstract (built with `jax.eval_shape`, `nnx.eval_shape`: its
+arrays are `jax.ShapeDtypeStruct`s): only shapes and dtypes are read from it, and every
+value written into it is placed where it keeps its array (`put_like`): with the
+sharding its library's metadata declares, else the sharding of the array (or of the
+`ShapeDtypeStruct`) it replaces.
+
 Each library's adapter declares its own layouts (its facts stay with it); this module
 knows no library.
 """
@@ -22,6 +28,8 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+import jax.core
 import jax.numpy as jnp
 
 from ._errors import HookError
@@ -294,8 +302,71 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
 def _zero(path: str, name: str, dst: Param, target: Layout) -> Any:
     # A layer without this parameter behaves as one whose used value is 0: what the
     # destination stores is 0 minus what it adds.
-    zero = Param(jnp.zeros_like(dst.value), dst.axes)
+    # By shape and dtype: an abstract destination's sharding is applied when written.
+    zero = Param(jnp.zeros(dst.value.shape, dst.value.dtype), dst.axes)
     if not dst.shift:
         return zero.value
     probe = Layout(target.kind, {name: zero}, target.sizes, target.orders)
     return convert(path, name, probe, Layout(target.kind, {name: dst}, target.sizes, target.orders))
+
+
+# -- where written values go ---------------------------------------------------------
+
+
+def is_abstract(x: Any) -> bool:
+    """Whether `x` stands for an array without holding one (an abstract destination's
+    leaf: what `jax.eval_shape` returns)."""
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def context_mesh() -> jax.sharding.Mesh | None:
+    """The concrete mesh of the enclosing `jax.set_mesh`, or `None` outside one."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh.empty else mesh
+
+
+def put_like(path: str, value: Any, current: Any, declared: Any = None) -> Any:
+    """`value` placed where the destination keeps the array it replaces.
+
+    **Arguments:**
+
+    - `path`: the destination layer (for errors).
+    - `value`: the converted value.
+    - `current`: what the destination holds there now: an array, or a
+        `jax.ShapeDtypeStruct` of an abstract destination.
+    - `declared`: the sharding the destination's library declares for it (partitioning
+        metadata resolved on a mesh by the adapter), or `None`.
+
+    **Returns:**
+
+    `value` with `declared`, else with `current`'s sharding where the destination chose
+    one (a committed array, or a `ShapeDtypeStruct` carrying a sharding); otherwise
+    `value` itself. An uncommitted array's place is JAX's default device, which is no
+    placement: committing it would stop JAX from moving it next to sharded arrays.
+    """
+    sharding = declared
+    if sharding is None and is_abstract(current):
+        sharding = current.sharding
+    elif sharding is None and isinstance(current, jax.Array) and not isinstance(current, jax.core.Tracer):
+        sharding = current.sharding if current.committed else None
+    if sharding is None:
+        return value
+    return jax.device_put(value, _concrete(path, sharding))
+
+
+def _concrete(path: str, sharding: Any) -> Any:
+    # `nnx.eval_shape` under `jax.set_mesh` gives NamedShardings over the mesh's
+    # AbstractMesh: the arrays go on the concrete mesh of that shape in context.
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(
+        sharding.mesh, jax.sharding.AbstractMesh
+    ):
+        return sharding
+    mesh = context_mesh()
+    if mesh is None or mesh.shape_tuple != sharding.mesh.shape_tuple:
+        raise refuse(
+            path,
+            f"the destination is sharded {sharding.spec} over an abstract mesh {dict(sharding.mesh.shape)}, "
+            f"and the mesh in context is {None if mesh is None else dict(mesh.shape)}: transfer under "
+            "`with jax.set_mesh(mesh):` with the mesh the destination was built for",
+        )
+    return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)

@@ -65,6 +65,22 @@ class AbstractConverted(eqx.Module):
         """A copy with the layer at `local` holding `values`: `_layouts.fit`'s output,
         already in this layer's own axes."""
 
+    def detached(self, module: Any) -> Any:
+        """One of the library's modules seen during an abstract call, as `read_layer`'s
+        `modules` keep it after the call: with what it tells (its class, its settings),
+        without the call's arrays, which are the abstract call's tracers and would leak
+        out of it. `None` where `read_layer` needs nothing from calls.
+
+        **Arguments:**
+
+        - `module`: the module, during its call.
+
+        **Returns:**
+
+        The module itself by default (a Haiku module holds no arrays).
+        """
+        return module
+
 
 def join(*parts: str) -> str:
     return ".".join(part for part in parts if part)

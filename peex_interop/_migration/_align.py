@@ -149,6 +149,9 @@ def _tree_difference(a: Any, b: Any) -> tuple[float, float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class ComparisonRow:
+    """One aligned layer of a `px.compare`: the largest differences of its outputs
+    (and cotangents, with `cotangents=True`; else `None`), and whether it diverges."""
+
     path_a: str
     path_b: str
     max_abs: float
@@ -159,6 +162,9 @@ class ComparisonRow:
     # For a layer of a scanned stack: the first step at which it diverges (None if it
     # does not, or is not in a stack).
     first_step: int | None = None
+    # Diverged in its cotangent only, its output agreeing: a layer upstream of a
+    # wrong one receives a wrong cotangent from it, without being wrong itself.
+    cotangent_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -172,28 +178,56 @@ class Comparison(AbstractTabular):
 
     @property
     def first_divergence(self) -> ComparisonRow | None:
-        """The first diverging layer in call order; inside a scanned stack, whose
-        layers all run at every step, the one that diverges at the earliest step (a
-        layer wrong from step 0 makes the stack's first layer diverge from step 1)."""
-        first = next((i for i, row in enumerate(self.rows) if row.diverged), None)
-        if first is None or self.rows[first].first_step is None:
-            return None if first is None else self.rows[first]
-        stack = itertools.takewhile(lambda row: row.first_step is not None or not row.diverged, self.rows[first:])
-        return min((row for row in stack if row.diverged), key=lambda row: row.first_step or 0)
+        """The first layer in call order whose output diverges; inside a scanned stack,
+        whose layers all run at every step, the one that diverges at the earliest step
+        (a layer wrong from step 0 makes the stack's first layer diverge from step 1).
+
+        Outputs rank first: a wrong layer changes the cotangents of every layer before
+        it, whose outputs agree (`ComparisonRow.cotangent_only`). Only where every
+        output agrees is it a cotangent divergence: the last one in call order, where
+        the backward pass (which runs in reverse call order) first goes wrong, between
+        that layer and the next.
+        """
+        diverged = lambda row: row.diverged and not row.cotangent_only  # noqa: E731
+        first = next((i for i, row in enumerate(self.rows) if diverged(row)), None)
+        if first is None:
+            return next((row for row in reversed(self.rows) if row.diverged), None)
+        if self.rows[first].first_step is None:
+            return self.rows[first]
+        stack = itertools.takewhile(lambda row: row.first_step is not None or not diverged(row), self.rows[first:])
+        return min((row for row in stack if diverged(row)), key=lambda row: row.first_step or 0)
+
+    @property
+    def cotangent_only_rows(self) -> tuple[ComparisonRow, ...]:
+        """The layers whose outputs agree and whose cotangents diverge, in call order."""
+        return tuple(row for row in self.rows if row.cotangent_only)
 
     def _table(self) -> Table:
+        first = self.first_divergence
+
+        def mark(row: ComparisonRow) -> str:
+            if row is first:
+                return "<- first divergence" + (" (cotangent only)" if row.cotangent_only else "")
+            return ("diverged (cotangent only)" if row.cotangent_only else "diverged") if row.diverged else ""
+
+        if first is None:
+            caption = f"all {len(self.rows)} layers agree within {self.tolerance:g}"
+        else:
+            caption = f"first divergence at {first.path_a} -> {first.path_b}"
+            if first.cotangent_only:
+                caption += " (cotangent only: every output agrees)"
+            elif self.cotangent_only_rows:
+                caption += f"; {len(self.cotangent_only_rows)} layers diverge in their cotangents only"
         return Table(
             ("layer (a)", "layer (b)", "max abs", "max rel", "ct max abs", "ct max rel", ""),
             tuple(
                 (r.path_a, r.path_b, f"{r.max_abs:.2e}", f"{r.max_rel:.2e}",
                  "" if r.cotangent_max_abs is None else f"{r.cotangent_max_abs:.2e}",
                  "" if r.cotangent_max_rel is None else f"{r.cotangent_max_rel:.2e}",
-                 "<- first divergence" if r is self.first_divergence else ("diverged" if r.diverged else ""))
+                 mark(r))
                 for r in self.rows
             ),
-            f"all {len(self.rows)} layers agree within {self.tolerance:g}"
-            if self.first_divergence is None
-            else f"first divergence at {self.first_divergence.path_a} -> {self.first_divergence.path_b}",
+            caption,
             numeric=frozenset({2, 3, 4, 5}),
         )
 
@@ -236,7 +270,8 @@ def compare(
 
     **Returns:**
 
-    A `Comparison` (print it; `.first_divergence` is the first diverging layer).
+    A `Comparison` (print it; `.first_divergence` is the first layer whose output
+    diverges, `.cotangent_only_rows` the layers whose cotangents alone do).
     """
     alignment = alignment or align(model_a, model_b, *args, **kwargs)
     layers_a, layers_b = _layers(list(alignment.mapping)), _layers(list(alignment.mapping.values()))
@@ -249,17 +284,21 @@ def compare(
     for path_a, path_b in alignment.mapping.items():
         abs_error, rel_error, excess = _tree_difference(log_a[path_a], log_b[path_b])
         ct_abs = ct_rel = None
-        diverged = excess > tolerance
+        output_diverged = cotangent_diverged = excess > tolerance
         if cotangents:
             ct_abs, ct_rel, ct_excess = _tree_difference(ct_a[path_a], ct_b[path_b])
-            diverged = diverged or ct_excess > tolerance
-        rows.append(ComparisonRow(path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(diverged)))
-    if any(row.diverged for row in rows):
-        # Where layers of a scanned stack diverge: the step at which each first does.
+            cotangent_diverged = ct_excess > tolerance
+        rows.append(ComparisonRow(
+            path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(output_diverged or cotangent_diverged),
+            cotangent_only=bool(cotangent_diverged and not output_diverged),
+        ))
+    if any(row.diverged and not row.cotangent_only for row in rows):
+        # Where layers of a scanned stack diverge: the step at which each first does
+        # (in its output; a cotangent-only divergence has no such step).
         stack_axes = [_stack_axes(model, args, kwargs) for model in (model_a, model_b)]
         for i, row in enumerate(rows):
             axes = stack_axes[0].get(row.path_a), stack_axes[1].get(row.path_b)
-            if row.diverged and None not in axes:
+            if row.diverged and not row.cotangent_only and None not in axes:
                 first_step = _first_diverging_step(log_a[row.path_a], log_b[row.path_b], axes, tolerance)
                 rows[i] = dataclasses.replace(row, first_step=first_step)
     return Comparison(tuple(rows), alignment, tolerance)

@@ -6,26 +6,34 @@ converts the source's parameters into the destination's axes, checking every axi
 by name and size; the destination's adapter writes them. Given example inputs, the
 result is then compared with the source layer by layer, and a disagreement raises an
 error naming the first diverging layer instead of returning a wrong model.
+
+Values are read through each library's metadata boxes (linen's `nn.Partitioned`) and
+written into the destination's own variables and boxes, which keep their metadata; each
+array is placed with the destination's sharding (`_layouts.put_like`). A destination
+may be abstract (`nnx.eval_shape`, `jax.eval_shape` of an init): it is read on tracers,
+for shapes only, and every one of its arrays must be written.
 """
 
 import dataclasses
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 
 from .._adapters._equinox import equinox_layout, equinox_write
 from .._engine._context import HookContext, Site
 from .._engine._errors import HookError
 from .._engine._hooking import hooking
-from .._engine._layouts import Container, fit, refuse
-from .._engine._paths import AbstractConverted, join, walk
+from .._engine._layouts import Container, Layout, fit, is_abstract, refuse
+from .._engine._paths import AbstractConverted, join, key_name, walk
 from .._engine._selection import Selection
 from ._align import _REPEAT, Alignment, compare
 
 
 class _Modules:
-    """A policy that records the module object behind every call site's path."""
+    """A policy that records the module object behind every call site's path of a
+    converted model, as its adapter keeps it (`AbstractConverted.detached`)."""
 
     selection = Selection()
 
@@ -33,7 +41,14 @@ class _Modules:
         self.modules: dict[str, Any] = {}
 
     def run_site(self, context: HookContext, site: Site) -> Any:
-        self.modules.setdefault(site.path, site.module)
+        # Only a converted model's modules tell what its stored parameters do not (an
+        # Equinox layer is read from the model itself), and the abstract run's modules
+        # hold its tracers: kept as they are past the run, they would leak.
+        converted = isinstance(site.owner, AbstractConverted) and site.owner is not site.module
+        if converted and site.path not in self.modules:
+            module = site.owner.detached(site.module)
+            if module is not None:
+                self.modules[site.path] = module
         return site.call(*site.args, **site.kwargs)
 
 
@@ -44,8 +59,25 @@ def _called_modules(model: Any, inputs: tuple) -> dict[str, Any]:
         with hooking(model, policy) as context:
             return context.root(*inputs)
 
-    eqx.filter_eval_shape(run, model, inputs)
+    _shape_only(run, model, inputs)
     return policy.modules
+
+
+def _shape_only(fn: Any, *args: Any) -> Any:
+    """`eqx.filter_eval_shape(fn, *args)` for arguments that may be abstract: their
+    `jax.ShapeDtypeStruct` leaves are traced as the arrays they stand for, not kept as
+    constants that no library can compute with."""
+    is_dynamic = lambda x: eqx.is_array(x) or is_abstract(x)  # noqa: E731
+    dynamic, static = eqx.partition(args, is_dynamic)
+    kept = []
+
+    def run(dynamic: Any) -> Any:
+        out_dynamic, out_static = eqx.partition(fn(*eqx.combine(dynamic, static)), eqx.is_array)
+        kept.append(out_static)
+        return out_dynamic
+
+    shapes = jax.eval_shape(run, dynamic)
+    return eqx.combine(shapes, kept[0])
 
 
 def _states(model: Any) -> list[eqx.nn.State]:
@@ -62,13 +94,16 @@ class _Side:
     state: Any
     modules: dict[str, Any]
     held: bool = False
+    # Built with `eval_shape`, in whole or in part: read for shapes only.
+    abstract: bool = False
 
     @classmethod
     def make(cls, model: Any, state: Any, inputs: tuple | None) -> "_Side":
         held = _states(model)
+        abstract = bool(_unfilled(model, state))
         if state is None and len(held) == 1:
-            return cls(model, held[0], {}, True).with_modules(inputs)
-        return cls(model, state, {}).with_modules(inputs)
+            return cls(model, held[0], {}, True, abstract).with_modules(inputs)
+        return cls(model, state, {}, False, abstract).with_modules(inputs)
 
     def with_modules(self, inputs: tuple | None) -> "_Side":
         # Only converted models keep facts outside their layers' objects.
@@ -98,6 +133,11 @@ class _Side:
         }
 
     def read(self, path: str) -> Any:
+        """The `Layout` (or `Container`) of the layer at `path`; of an abstract model,
+        with `jax.ShapeDtypeStruct` values."""
+        return _read_abstractly(self, path) if self.abstract else self._read(path)
+
+    def _read(self, path: str) -> Any:
         prefix, node, local, parent, field = self.locate(path)
         if local:
             return node.read_layer(local, self.local_modules(prefix))
@@ -121,6 +161,48 @@ class _Side:
                 self.model,
                 new,
             )
+
+
+def _read_abstractly(side: _Side, path: str) -> Layout | Container:
+    # On tracers every adapter's reading works as on arrays (an LSTM's kernel sliced
+    # into its gates, gates stacked): only the shapes and dtypes come back.
+    layouts = []
+
+    def read(model: Any, state: Any) -> dict[str, Any]:
+        layout = dataclasses.replace(side, model=model, state=state)._read(path)
+        layouts.append(layout)
+        return {} if isinstance(layout, Container) else {name: p.value for name, p in layout.params.items()}
+
+    values = _shape_only(read, side.model, side.state)
+    layout = layouts[0]
+    if isinstance(layout, Container):
+        return layout
+    params = {name: dataclasses.replace(p, value=values[name]) for name, p in layout.params.items()}
+    return dataclasses.replace(layout, params=params)
+
+
+def _unfilled(model: Any, state: Any) -> list[str]:
+    """The abstract leaves of a model (and its state), by pytree path."""
+    leaves = jtu.tree_flatten_with_path({"model": model, "state": state})[0]
+    return [".".join(key_name(k) for k in key[1:]) for key, leaf in leaves if is_abstract(leaf)]
+
+
+def _check_source(path: str, layout: Layout | Container) -> None:
+    if isinstance(layout, Layout) and any(is_abstract(p.value) for p in layout.params.values()):
+        raise refuse(path, "the source is abstract (built with eval_shape): it holds no values to copy")
+
+
+def _check_filled(target: _Side) -> None:
+    # An abstract destination's arrays exist only where the transfer wrote them: one
+    # left out would be a model that cannot run.
+    unfilled = _unfilled(target.model, target.state)
+    if unfilled:
+        shown = ", ".join(unfilled[:8]) + (f" and {len(unfilled) - 8} more" if len(unfilled) > 8 else "")
+        raise HookError(
+            f"transfer_params: the destination is abstract and the mapping leaves {len(unfilled)} of its arrays "
+            f"without a value: {shown}. Map the layers holding them, or give them values before the transfer "
+            "(a library's RNG state is not transferred: a port has no source for it)."
+        )
 
 
 def _check_parts(path_src: str, path_dst: str, source: Container, target: Container, mapping: dict[str, str]) -> None:
@@ -158,7 +240,12 @@ def transfer_params(
     **Arguments:**
 
     - `src`: the model to copy from (Equinox, or converted Haiku/NNX).
-    - `dst`: the model to copy into (not modified).
+    - `dst`: the model to copy into (not modified). It may be abstract (built with
+        `nnx.eval_shape`, or holding the `jax.eval_shape` of an init): it is filled
+        with concrete values, and the mapping must cover every one of its arrays.
+        Partitioning metadata (linen's `nn.Partitioned` boxes, NNX variables'
+        `out_sharding`) is kept, and every array is placed with the destination's
+        sharding (under `jax.set_mesh` where that sharding names mesh axes).
     - `mapping`: `{path in src: path in dst}`, e.g. `px.align(src, dst, x).mapping`
         (`path@n` entries of repeated calls name the same layer as `path`).
     - `inputs`: example input(s) both models accept (one array, or a tuple of
@@ -184,6 +271,7 @@ def transfer_params(
         if written.setdefault(path_dst, path_src) != path_src:
             raise refuse(path_dst, f"the mapping gives it two sources, {written[path_dst]!r} and {path_src!r}")
         layout_src, layout_dst = source.read(path_src), target.read(path_dst)
+        _check_source(path_src, layout_src)
         if isinstance(layout_src, Container) and isinstance(layout_dst, Container):
             _check_parts(path_src, path_dst, layout_src, layout_dst, mapping)
         elif isinstance(layout_src, Container) or isinstance(layout_dst, Container):
@@ -195,6 +283,8 @@ def transfer_params(
             )
         else:
             target.write(path_dst, fit(path_dst, layout_src, layout_dst))
+    if target.abstract:
+        _check_filled(target)
     if inputs is not None and verify:
         _verify(src, target.model, mapping, inputs, tolerance)
     return (target.model, target.state) if dst_state is not None else target.model
