@@ -5,6 +5,7 @@ from functools import partial
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import pytest
 
 import peex_interop as px
 from models import MLP, Deep, close, tokens, transformer
@@ -126,3 +127,201 @@ def test_statistic_logs_of_cotangents():
     stats = grads_of(px.BackwardHook(model, log_fn=px.MeanStdLog()).init(x), x)
     close(stats.log["linear1"][0], jnp.mean(ident.log["linear1"]))
     close(stats.log["linear1"][1], jnp.std(ident.log["linear1"]))
+
+
+# -- a layer fed inputs that do not vary over a vmap inside the model (issue 22, item 2) --
+COEFFICIENTS = jnp.arange(1.0, 4.0)
+
+
+class ClosedOver(eqx.Module):
+    """The layer's input is closed over by the vmap body: it is the same for every example."""
+
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(lambda c: self.lin(x) * c)(COEFFICIENTS)
+
+
+class UnbatchedArgument(eqx.Module):
+    """The layer's input is passed to the vmap unbatched (`in_axes=(None, 0)`)."""
+
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(lambda x, c: self.lin(x) * c, in_axes=(None, 0))(x, COEFFICIENTS)
+
+
+class AxisSize(eqx.Module):
+    """No input of the vmap is batched at all (`in_axes=None, axis_size=3`)."""
+
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(self.lin, in_axes=None, axis_size=3)(x) * COEFFICIENTS[:, None]
+
+
+def _squared_loss_grads(hooked, x):
+    return eqx.filter_grad(lambda h: jnp.sum(h(x) ** 2))(hooked)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "filter_jit"])
+@pytest.mark.parametrize("model_type", [ClosedOver, UnbatchedArgument, AxisSize])
+def test_backward_of_a_layer_fed_unbatched_inputs_inside_vmap_is_per_example(model_type, jit):
+    lin = eqx.nn.Linear(3, 3, key=jax.random.key(1))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    model = model_type(lin)
+    grad_fn = eqx.filter_jit(_squared_loss_grads) if jit else _squared_loss_grads
+    got = grad_fn(px.BackwardHook(model, log_fn=px.IdentityLog()).init(x), x)
+    c = COEFFICIENTS
+    # The issue's formula: example i's output is lin(x) * c_i, so its cotangent is
+    # 2 * c_i**2 * lin(x) (one row per example, not the batch sum).
+    close(got.log["lin"], 2 * c[:, None] ** 2 * lin(x))
+    # And `jax.vjp` of the sub-computation, with a separate copy of lin(x) per example.
+    _, vjp = jax.vjp(lambda ys: jnp.sum((ys * c[:, None]) ** 2), jnp.broadcast_to(lin(x), (3, 3)))
+    close(got.log["lin"], vjp(1.0)[0])
+    # The model's own gradients are those of the plain model.
+    plain = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    close(got.model.lin.weight, plain.lin.weight)
+    with jax.checking_leaks():
+        close(grad_fn(px.BackwardHook(model, log_fn=px.IdentityLog()).init(x), x).log["lin"], vjp(1.0)[0])
+
+    # pre_hook=True: the cotangent of the layer's input, per example.
+    got = grad_fn(px.BackwardHook(model, log_fn=px.IdentityLog(), pre_hook=True).init(x), x)
+    _, vjp = jax.vjp(lambda xs: jnp.sum((jax.vmap(lin)(xs) * c[:, None]) ** 2), jnp.broadcast_to(x, (3, 3)))
+    (ct,) = got.log["lin"]
+    close(ct, vjp(1.0)[0])
+    close(ct, 2 * c[:, None] ** 2 * (lin.weight.T @ lin(x))[None])
+
+
+class Block(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jnp.tanh(jnp.mean(jax.vmap(lambda c: self.lin(x) * c)(COEFFICIENTS), axis=0))
+
+
+class UnbatchedInStack(eqx.Module):
+    """A scanned stack of blocks, each calling its layer in a vmap on an unbatched input."""
+
+    blocks: Block
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        self.blocks = eqx.filter_vmap(lambda k: Block(eqx.nn.Linear(3, 3, key=k)))(keys)
+
+    def __call__(self, x):
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+        return jax.lax.scan(lambda x, a: (eqx.combine(a, static)(x), None), x, arrays)[0]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "filter_jit"])
+def test_backward_of_unbatched_inputs_in_vmap_in_a_stack(jit):
+    model = UnbatchedInStack(jax.random.key(0))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    arrays, static = eqx.partition(model.blocks, eqx.is_array)
+
+    def with_deltas(deltas):
+        # The stack unrolled by hand, a separate delta added to each example's copy of
+        # every step's lin(x): the gradient at zero is every per-example cotangent.
+        h = x
+        for i in range(3):
+            block = eqx.combine(jax.tree.map(lambda a: a[i], arrays), static)
+            h = jnp.tanh(jnp.mean((block.lin(h)[None] + deltas[i]) * COEFFICIENTS[:, None], axis=0))
+        return loss_of(h)
+
+    expected = jax.grad(with_deltas)(jnp.zeros((3, 3, 3)))
+    grad_fn = eqx.filter_jit(grads_of) if jit else grads_of
+    stack = grad_fn(px.BackwardHook(model, log_fn=px.IdentityLog(), where="blocks.lin").init(x), x)
+    close(stack.log["blocks.lin"], expected)
+    step = grad_fn(px.BackwardHook(model, log_fn=px.IdentityLog(), where="blocks.1.lin").init(x), x)
+    close(step.log["blocks.1.lin"], expected[1])
+
+
+def test_backward_of_unbatched_inputs_inside_scan_stays_per_step():
+    lin = eqx.nn.Linear(3, 3, key=jax.random.key(1))
+    x = jnp.linspace(-1.0, 1.0, 3)
+
+    class Scanned(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return jax.lax.scan(lambda carry, c: (carry, self.lin(x) * c), 0.0, COEFFICIENTS)[1]
+
+    for grad_fn in (_squared_loss_grads, eqx.filter_jit(_squared_loss_grads)):
+        got = grad_fn(px.BackwardHook(Scanned(lin), log_fn=px.IdentityLog()).init(x), x)
+        close(got.log["lin"], 2 * COEFFICIENTS[:, None] ** 2 * lin(x))
+
+
+# -- integer leaves in backward logs (issue 22, item 10) --------------------------------
+class WithIndex(eqx.Module):
+    """Returns a float array and an integer one (as a VQ layer returns its codes)."""
+
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        y = self.lin(x)
+        return y, jnp.argmax(y)
+
+
+class Quantised(eqx.Module):
+    quantise: WithIndex
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        y, index = self.quantise(x)
+        return self.head(y * (index + 1))
+
+
+def test_integer_output_leaves_have_none_in_the_backward_log():
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = Quantised(WithIndex(eqx.nn.Linear(3, 4, key=keys[0])), eqx.nn.Linear(4, 2, key=keys[1]))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    y, index = model.quantise(x)
+    _, vjp = jax.vjp(lambda y: loss_of(model.head(y * (index + 1))), y)
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog()).init(x)
+    for grad_fn in (grads_of, eqx.filter_jit(grads_of)):
+        grads = grad_fn(hooked, x)
+        ct, index_ct = grads.log["quantise"]
+        assert index_ct is None
+        close(ct, vjp(1.0)[0])
+        close(grads.log["quantise.lin"], vjp(1.0)[0])
+    # A hook edits the float leaves; a statistic log is None at the integer leaf too.
+    halved = grads_of(px.BackwardHook(model, hook_fn=lambda ct: (0.5 * ct[0], ct[1]), where="quantise").init(x), x)
+    plain = eqx.filter_grad(lambda m: loss_of(m(x)))(model)
+    close(halved.model.quantise.lin.weight, 0.5 * plain.quantise.lin.weight)
+    stats = grads_of(px.BackwardHook(model, log_fn=px.MeanLog(), where="quantise").init(x), x)
+    assert stats.log["quantise"][1] is None
+    close(stats.log["quantise"][0], jnp.mean(vjp(1.0)[0]))
+
+
+def test_backward_log_fn_returning_integers_is_refused():
+    model = Quantised(WithIndex(eqx.nn.Linear(3, 4, key=jax.random.key(0))), eqx.nn.Linear(4, 2, key=jax.random.key(1)))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    with pytest.raises(px.HookError, match=r"log_fn at layer 'quantise' returns int32 values.*floating-point"):
+        px.BackwardHook(model, log_fn=lambda ct: jnp.argmax(ct[0]), where="quantise").init(x)
+    with pytest.raises(px.HookError, match=r"log_fn at layer 'head' returns bool values"):
+        px.BackwardHook(model, log_fn=lambda ct: ct > 0, where="head").init(x)
+
+
+class Embedded(eqx.Module):
+    embed: eqx.nn.Embedding
+    lin: eqx.nn.Linear
+
+    def __call__(self, tokens):
+        return jax.vmap(lambda t: self.lin(self.embed(t)))(tokens)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "filter_jit"])
+def test_pre_hook_on_an_embedding_fed_token_ids(jit):
+    keys = jax.random.split(jax.random.key(2), 2)
+    model = Embedded(eqx.nn.Embedding(10, 4, key=keys[0]), eqx.nn.Linear(4, 2, key=keys[1]))
+    tokens = jnp.array([1, 5, 3, 5])
+    grad_fn = eqx.filter_jit(grads_of) if jit else grads_of
+    grads = grad_fn(px.BackwardHook(model, log_fn=px.IdentityLog(), pre_hook=True).init(tokens), tokens)
+    assert grads.log["embed"] == (None,)  # token ids have no cotangent
+    embedded = jax.vmap(model.embed)(tokens)
+    _, vjp = jax.vjp(lambda e: loss_of(jax.vmap(model.lin)(e)), embedded)
+    (ct,) = grads.log["lin"]
+    close(ct, vjp(1.0)[0])
+    plain = eqx.filter_grad(lambda m: loss_of(m(tokens)))(model)
+    close(grads.model.embed.weight, plain.embed.weight)

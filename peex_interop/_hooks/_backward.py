@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .._engine._batching import per_example
 from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
 from .._engine._errors import HookError, TransformError
 from .._engine._hooking import hooking
 from .._engine._selection import Where
+from .._engine._shape_pass import shape_only
 from ._hooks import AbstractHook, HookLike, IdentityHook, as_hook
 from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields
@@ -37,7 +39,18 @@ class BackwardHook(AbstractHookWrapper):
     `log_fn(hook_fn(cotangent))`. Slots of layers inside `jax.vmap`/`jax.lax.scan`
     bodies carry the mapped/scanned axis, so their cotangents are per example/step. One
     step of a stack of layers (`where="blocks.1.attn"`) has a slot of one step's shape,
-    and the hook edits that step's cotangent only.
+    and the hook edits that step's cotangent only. A layer called in a `jax.vmap` body on
+    inputs that do not vary over the batch (closed over, `in_axes=None`) still logs one
+    cotangent per example, not their sum: its output is made per example (every row
+    equal), so the computation after it runs per example.
+
+    Only floating-point leaves have cotangents: integer (and boolean) leaves of a
+    layer's output, or with `pre_hook=True` of its inputs (an argmax, VQ codes, token
+    ids into an embedding), are `None` in what `hook_fn` and `log_fn` receive, and so in
+    the log (`IdentityLog` logs `(cotangent, None)` for a layer returning `(y,
+    indices)`). A call with no floating-point leaf at all runs neither; its log is
+    `None` at every leaf (`(None,)` for an embedding's inputs). A `log_fn` returning
+    integers or booleans raises `px.HookError`: a slot's gradient is floating-point.
     """
 
     model: PyTree
@@ -63,9 +76,10 @@ class BackwardHook(AbstractHookWrapper):
 
         - `model`: the `eqx.Module` to hook (it is not modified).
         - `hook_fn`: applied to the cotangent of each selected layer's output (with
-            `pre_hook=True`: of its positional inputs); must keep shapes and dtypes.
-        - `log_fn`: applied to the hooked cotangent; the result is the gradient of the
-            layer's `log` slot.
+            `pre_hook=True`: of its positional inputs; `None` at integer leaves); must
+            keep structure, shapes and dtypes.
+        - `log_fn`: applied to the hooked cotangent; the result, floating-point arrays
+            (or `None`), is the gradient of the layer's `log` slot.
         - `log`: the slots; leave empty and call `.init(*args)`.
         - `pre_hook`: hook the inputs' cotangents instead of the output's.
         - `layer_names`, `where`, `rename`: which layers and their log keys, as for
@@ -98,7 +112,10 @@ class BackwardHook(AbstractHookWrapper):
                 context.root(*args, **kwargs)
             return context.logs
 
-        shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
+        # A shape-only pass: a model run inside a live Haiku/linen call names modules and
+        # draws keys afterwards as if it had not happened.
+        with shape_only():
+            shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
         slots = zeros_like(shapes)
         return BackwardHook(
             self.model, self.hook_fn, self.log_fn, slots, self.pre_hook,
@@ -127,18 +144,30 @@ class BackwardHook(AbstractHookWrapper):
         return self._attach(context, site, site.call(*site.args, **site.kwargs))
 
     def _attach(self, context: HookContext, site: Site, value: Any) -> Any:
-        template = context.apply(site, "log_fn", self.log_fn, zeros_like(value))
-        discrete = [leaf for leaf in jtu.tree_leaves(template) if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
-        if discrete:
-            raise HookError(
-                f"BackwardHook log_fn at layer {site.path!r} returns {discrete[0].dtype} values: a "
-                "backward log is the gradient of its slot, which exists only for floating "
-                "point values (JAX would give None). Log counts in a ForwardHook instead."
-            )
+        # Only floating-point leaves have a cotangent (JAX gives the others a float0
+        # one, `filter_custom_vjp` None): hooks and logs see None in their place.
+        cotangent_like = jtu.tree_map(
+            lambda leaf: jnp.zeros(leaf.shape, leaf.dtype) if eqx.is_inexact_array(leaf) else None, value
+        )
+        flows_back = bool(jtu.tree_leaves(cotangent_like))
+        if flows_back:
+            template = context.apply(site, "log_fn", self.log_fn, cotangent_like)
+            _check_differentiable(site.path, template)
+        else:
+            # Nothing flows back through this call (token ids into an embedding): no
+            # hook or log runs; the log is None at each leaf.
+            template = cotangent_like
         if context.discovering:
             context.record(site, site.key, template)
             return value
         slot = None if template is None else context.probe(site, template)
+        if not flows_back:
+            return value
+        if site.lengths or context.carries():
+            # In a vmap body, a value computed from inputs that do not vary over the
+            # batch is computed once, and its cotangent would be the sum over the
+            # examples; the slot is per example, so the value must be too.
+            value = per_example(value)
         # Selected at some steps of a stack only: the hook edits the cotangents of those
         # steps; a one-step slot is shared by every step (`_Body.probes` spreads it), so
         # the others must add zeros to its gradient.
@@ -155,6 +184,19 @@ class BackwardHook(AbstractHookWrapper):
                 "Use reverse mode (jax.grad, jax.vjp, jax.jacrev; jax.hessian works), "
                 "or a ForwardHook for forward-mode transforms."
             ) from error
+
+
+def _check_differentiable(path: str, template: Any) -> None:
+    """A backward log is the gradient of its slot: refuse a `log_fn` whose outputs (all
+    derived from floating-point cotangents) are integers, booleans or non-arrays."""
+    discrete = [leaf for leaf in jtu.tree_leaves(template) if not eqx.is_inexact_array(leaf)]
+    if discrete:
+        got = f"{discrete[0].dtype} values" if eqx.is_array(discrete[0]) else f"a {type(discrete[0]).__name__}"
+        raise HookError(
+            f"BackwardHook log_fn at layer {path!r} returns {got}: a backward log is the "
+            "gradient of its slot, which exists only for floating-point arrays (JAX would "
+            "give None). Log counts in a ForwardHook instead."
+        )
 
 
 @eqx.filter_custom_vjp
