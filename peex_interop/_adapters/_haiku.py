@@ -8,17 +8,18 @@ interceptor hands every selected method call of every Haiku submodule to
 
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import equinox as eqx
 import haiku as hk
 import jax
 import jax.numpy as jnp
+from haiku._src import base as hk_base  # the frames: Haiku's per-transform Python state
 from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_stack
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context
+from .._engine import _context, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, is_abstract, lax_transpose_padding, put_like, refuse
@@ -41,6 +42,42 @@ HAIKU_KINDS: dict[type, str] = {
     hk.Sequential: "container",
     hk.nets.MLP: "container",
 }
+
+
+def _save_haiku_state() -> Callable[[], None]:
+    """What a trace of Haiku code advances in this thread's frames, for the engine's
+    shape-only passes (`_engine/_shape_pass.py`): the name counters and used names of
+    every module being called (a module created in a `jax.vmap` body, or any body the
+    engine runs abstractly first, would be named `mlp_1` in the real run), the modules'
+    submodule sets, the key sequences (`hk.next_rng_key` would leave the abstract run's
+    tracer in them), and the params and state dicts (`hk.set_state`, `init`)."""
+    frames = list(hk_base.frame_stack)
+    if not frames:
+        return lambda: None
+    held: list[Any] = []
+    sequences = {}
+    for frame in frames:
+        held.extend(frame.counter_stack)
+        held.extend(frame.used_names_stack)
+        held.extend(entry.module._submodules for entry in frame.module_stack)  # pyright: ignore[reportPrivateUsage]
+        # `apply` freezes the params: only `init` writes them.
+        for bundles in (frame.state,) if frame.freeze_params else (frame.params, frame.state):
+            if isinstance(bundles, MutableMapping):
+                held.append(bundles)
+                held.extend(bundle for bundle in bundles.values() if isinstance(bundle, MutableMapping))
+        sequences.update({id(rng): rng for rng in frame.rng_stack if rng is not None})
+    restore_containers = _shape_pass.containers(held)
+    keys = [(rng, rng.internal_state) for rng in sequences.values()]
+
+    def restore() -> None:
+        restore_containers()
+        for rng, state in keys:
+            rng.replace_internal_state(state)
+
+    return restore
+
+
+_shape_pass.register(_save_haiku_state)
 
 
 def _size(tree: Any) -> int:

@@ -24,10 +24,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.core import axes_scan
+from flax.linen import module as linen_module  # its `_context`: the modules being called
 from flax.linen.spmd import logical_to_mesh_sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _patching
+from .._engine import _context, _patching, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse
@@ -443,6 +444,49 @@ def _subtree_paths(tree: Any, prefix: Path = ()) -> list[Path]:
 
 
 # -- one hooked call -----------------------------------------------------------------
+def _save_linen_state() -> Callable[[], None]:
+    """What a trace of linen code advances in the modules being called in this thread,
+    for the engine's shape-only passes (`_engine/_shape_pass.py`):
+
+    - their scopes' rng counts: `make_rng` folds a scope's count into its key and counts
+        on; a child scope's counts hang in its parent's dict, and the scope of a lifted
+        body (`nn.scan`, `nn.vmap`) shares its parent's, so each extra trace of a body
+        would give the real run other dropout masks;
+    - the names they gave: a submodule created in a `jax.vmap` body is named by its
+        parent's cursor (`Dense_0`, then `Dense_1`), registered among its children and
+        reserved in its scope.
+    """
+    calls = [
+        (module, module.scope) for module in linen_module._context.module_stack  # pyright: ignore[reportPrivateUsage]
+        if module is not None and module.scope is not None
+    ]
+    held: dict[int, Any] = {}
+    counts = [scope.rng_counters for _, scope in calls]
+    while counts:
+        tree = counts.pop()
+        if id(tree) not in held:
+            held[id(tree)] = tree
+            counts.extend(child for child in tree.values() if isinstance(child, dict))
+    names = []
+    for module, scope in calls:
+        state = module._state  # pyright: ignore[reportPrivateUsage]
+        # Leaving a lifted transform rebinds the cursor (`reimport`): bind it back too.
+        names.append((state, state.autoname_cursor, state.children))
+        reservations = scope.reservations
+        for container in (state.autoname_cursor, state.children, reservations, *reservations.values()):
+            held[id(container)] = container
+    restore_containers = _shape_pass.containers(held.values())
+
+    def restore() -> None:
+        restore_containers()
+        for state, cursor, children in names:
+            state.autoname_cursor, state.children = cursor, children
+
+    return restore
+
+
+_shape_pass.register(_save_linen_state)
+
 _silenced_in_thread = _context.ThreadStack()
 
 
