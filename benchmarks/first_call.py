@@ -47,8 +47,11 @@ def scanned_forward(model, tokens):
 
 
 def _by_hand(model, tokens):
-    """`model(tokens)` and every layer's output (as log-everything logs them: stacked
-    over blocks, per position where the layer runs under a vmap), written out."""
+    """`model(tokens)` and the same values log-everything logs, written out: every
+    layer's output (stacked over blocks, per position where the layer runs under a
+    vmap), the attention weights (the input of the attention's dropout layer), and each
+    value a layer and its container both return (a block's last layer and the block,
+    the head and the model) twice, as the log holds it."""
     x = jax.vmap(model.embed)(tokens)
     arrays, static = eqx.partition(model.blocks, eqx.is_array)
 
@@ -57,17 +60,20 @@ def _by_hand(model, tokens):
         attn = block.attn
         normed = jax.vmap(block.norm1)(x)
         projections = [jax.vmap(p)(normed) for p in (attn.query_proj, attn.key_proj, attn.value_proj)]
+        heads = [p.reshape(*p.shape[:-1], attn.num_heads, -1) for p in projections[:2]]
+        weights = jax.vmap(eqx.nn._attention.dot_product_attention_weights, in_axes=1)(*heads)
         attended = attn(normed, normed, normed)
         x = x + attended
         normed2 = jax.vmap(block.norm2)(x)
         hidden = jax.vmap(block.mlp.layers[0])(normed2)
         mlp = jax.vmap(block.mlp)(normed2)
         x = x + mlp
-        return x, (normed, *projections, attended, normed2, hidden, mlp, x)
+        return x, (normed, *projections, weights, attended, attended, normed2, hidden, mlp, mlp, x)
 
     x, outputs = jax.lax.scan(step, x, arrays)
     embedded = jax.vmap(model.embed)(tokens)
-    return jax.vmap(model.head)(x), (embedded, outputs)
+    out = jax.vmap(model.head)(x)
+    return out, (embedded, outputs, out)
 
 
 @eqx.filter_jit

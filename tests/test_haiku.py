@@ -236,8 +236,13 @@ def test_resnet_with_batchnorm_state(resnet, is_training):
     transformed, params, state, x = resnet
     params_before = jax.tree.map(np.asarray, params)
     model = px.from_haiku(transformed, params, state)
-    hooked = px.ForwardHook(model, log_fn=px.MeanLog(), where=["**.batchnorm_*", "**.mean_ema"])
-    (out, new_state), log = eqx.filter_jit(lambda h, x: h(x, is_training))(hooked, x)
+    call = eqx.filter_jit(lambda h, x: h(x, is_training))
+    if not is_training:
+        # The EMAs update only in training: a pattern naming them selects no call then.
+        with pytest.raises(px.HookError, match=r"'\*\*\.mean_ema' selected no call"):
+            call(px.ForwardHook(model, log_fn=px.MeanLog(), where=["**.batchnorm_*", "**.mean_ema"]), x)
+    where = ["**.batchnorm_*", "**.mean_ema"] if is_training else "**.batchnorm_*"
+    (out, new_state), log = call(px.ForwardHook(model, log_fn=px.MeanLog(), where=where), x)
     ref_out, ref_state = jax.jit(transformed.apply, static_argnums=4)(params, state, None, x, is_training)
     close(out, ref_out, 1e-4)
     jax.tree.map(lambda a, b: close(a, b, 1e-4), new_state, ref_state)

@@ -132,3 +132,29 @@ def test_while_loop_is_refused_naming_the_transform():
 
     with pytest.raises(px.TransformError, match=r"\['lin'\].*jax\.lax\.while_loop"):
         px.ForwardHook(Looped(LAYER), log_fn=px.IdentityLog())(XS[0])
+
+
+@jax.custom_vjp
+def _custom(layer_weight, x):
+    return _CUSTOM_LAYER[0](x)
+
+
+_custom.defvjp(lambda w, x: (_custom(w, x), None), lambda _, g: (None, g))
+_CUSTOM_LAYER: list = []
+
+
+class CustomVJP(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        _CUSTOM_LAYER[:] = [self.lin]
+        return _custom(self.lin.weight, x)
+
+
+def test_a_layer_inside_a_custom_vjp_is_refused_naming_it_under_jit_and_autodiff():
+    model = CustomVJP(LAYER)
+    with pytest.raises(px.TransformError, match=r"\['lin'\].*jax\.custom_vjp"):
+        eqx.filter_jit(lambda h, x: h(x))(px.ForwardHook(model, log_fn=px.IdentityLog()), XS[0])
+    # Its slots are refused as soon as `.init` traces the model.
+    with pytest.raises(px.TransformError, match=r"\['lin'\].*jax\.custom_vjp"):
+        px.BackwardHook(model, log_fn=px.IdentityLog()).init(XS[0])

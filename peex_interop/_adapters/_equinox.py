@@ -51,13 +51,25 @@ def _route(original: Callable, module: eqx.Module, args: tuple, kwargs: dict) ->
     return _context.call_site(module, functools.partial(original, module), args, kwargs)
 
 
+def _shared_call(original: Callable) -> Callable:
+    def __call__(self, *args, **kwargs):
+        layers = original(self, *args, **kwargs)
+        # The returned layers are rebuilt with the tied arrays put back: each is the one
+        # at its position under `pytree` (tied arrays alone cannot tell them apart).
+        _context.name_returned(self.pytree, layers)
+        return layers
+
+    return __call__
+
+
 def class_patches(types: Iterable[type]) -> list[tuple[type, str, Any]]:
     """Patch targets for the `__call__` of each module type (wrappers excluded: they are
     transparent and run their own context)."""
     # `eqx.nn.Shared` returns its tied layers, not activations: the layers it returns
     # are the call sites (named by their paths under it).
     layers = [cls for cls in types if not issubclass(cls, (AbstractTransparent, eqx.nn.Shared))]
-    return _patching.call_patches(layers, _route)
+    shared = [cls for cls in types if issubclass(cls, eqx.nn.Shared)]
+    return _patching.call_patches(layers, _route) + _patching.method_patches(shared, "__call__", _shared_call)
 
 
 # -- parameter layouts (px.transfer_params) ------------------------------------------

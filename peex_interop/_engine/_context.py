@@ -10,6 +10,7 @@ decides whether it is selected, and runs its policy (forward or backward hooks) 
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import threading
@@ -28,7 +29,7 @@ from jax._src.interpreters.batching import BatchTrace as _BatchTrace, BatchTrace
 from . import _harvest
 from ._errors import HookError, TransformError
 from ._paths import AbstractConverted, join, walk
-from ._selection import Selection, glob_to_regex, step_path, step_segments, steps_of
+from ._selection import Selection, could_be_step, glob_to_regex, may_name_a_step, step_path, step_segments, steps_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +229,9 @@ def transform_name() -> str:
         if kind in ("JVPTrace", "LinearizeTrace", "JaxprTrace"):
             return "autodiff inside the model (jax.grad/jax.vjp/jax.jacrev/jax.linearize)"
         info = trace.frame.debug_info
-        return f"{_TRACED_FOR.get(info.traced_for, repr(info.traced_for))} of {info.func_name!r}"
+        # JAX names sub-traces after their transform ("custom_vjp fun", "while_body").
+        named = _TRACED_FOR.get(info.traced_for) or _TRACED_FOR.get(info.traced_for.split(" ")[0])
+        return f"{named or repr(info.traced_for)} of {info.func_name!r}"
     except Exception:
         return "a JAX transform"
 
@@ -274,6 +277,9 @@ class HookContext:
         # pattern like `blocks.7.attn` is checked against them after the call.
         self.seen: set[str] = set()
         self.step_hits: set[str] = set()
+        # Paths and log keys of the calls the selection selected (the closed-world rule:
+        # every pattern the user gave must reach one).
+        self.selected: set[str] = set()
         self.claims: dict[str, str] = {}
         # Every log key given out: key -> (path, key without its call number, number),
         # so that keys counted inside a deferred scope can be renumbered on arrival.
@@ -360,6 +366,36 @@ class HookContext:
                 table.setdefault(id(node), (sub_path, node))
         return path
 
+    def refuse_if_a_step_of_a_stack(self, owner: Any) -> None:
+        """A module no path names whose arrays have the shapes of one step of a selected
+        stack of layers of its type (one axis fewer) is, most likely, that step run by
+        indexing the stack's arrays (`eqx.combine(tree_map(lambda a: a[i], ...))`): new
+        arrays the engine cannot trace back to the stack. Refused rather than left
+        unhooked."""
+        if isinstance(owner, AbstractConverted) or not isinstance(owner, eqx.Module):
+            return
+        shapes = [jnp.shape(leaf) for leaf in jtu.tree_leaves(eqx.filter(owner, eqx.is_array))]
+        if not shapes:
+            return
+        for path, node in self.nodes.items():
+            if type(node) is not type(owner):
+                continue
+            stacked = [jnp.shape(leaf) for leaf in jtu.tree_leaves(eqx.filter(node, eqx.is_array))]
+            if len(stacked) != len(shapes) or not all(
+                len(s) == len(t) + 1 and s[1:] == t and s[0] == stacked[0][0] for s, t in zip(stacked, shapes)
+            ):
+                continue
+            dotted = join(*path)
+            if self.selection.selects(dotted, node, self.native_kind(node)):
+                raise HookError(
+                    f"a {type(owner).__name__} with the shapes of one step of the stack of layers "
+                    f"{dotted!r} was called, built from arrays that are not the stack's (a step "
+                    "run by indexing the stacked arrays?): peex_interop cannot tell which step it "
+                    f"is, so it would run unhooked. Scan (or vmap) over the stacked arrays "
+                    f"instead, so that each step's arrays come from {dotted!r}, or exclude it "
+                    "with where=."
+                )
+
     # -- running a call site ----------------------------------------------------------
     def run(
         self, call: Callable[..., Any], owner: Any, local: tuple[str, ...], path: str, module: Any, *args, **kwargs
@@ -396,6 +432,7 @@ class HookContext:
             if steps is not True:
                 key, active, one_step = self._at_steps(key, name, stacks, steps)
             self.key_parts[key] = (path, key if count == 0 else key.rsplit("@", 1)[0], count)
+            self.selected |= {path, key}
             site = Site(
                 path, key, owner, module, kind, call, args, kwargs, count,
                 self.scopes[-1].indices,
@@ -441,16 +478,38 @@ class HookContext:
             return key, active, True
         return key, active, False
 
-    def check_step_patterns(self) -> None:
-        """After the call: a name or pattern with a number that matched no layer path
-        must have selected a step of a stack, or it selected nothing."""
-        for pattern in self.selection.step_patterns():
-            if pattern in self.step_hits or any(glob_to_regex(pattern).match(path) for path in self.seen):
+    def check_reached(self) -> None:
+        """After the call, the closed-world rule: every name and pattern the user gave
+        (`layer_names`, `where=` globs, `rename=` keys, `{pattern: hook}` maps) must have
+        reached a call. An empty log is never the answer to an explicit selection: a
+        typo, a layer used only through another method than `__call__`, or a stack of
+        layers run by indexing its arrays (whose steps are new objects) all raise."""
+        selection = self.selection
+        given = [
+            *(("layer name", name) for name in selection.names or ()),
+            *(("where pattern", c) for c in selection.where or () if isinstance(c, str)),
+            *(("rename= path", source) for source, _ in selection.renames),
+            *(("hook/log map pattern", p) for p in getattr(self.policy, "explicit_patterns", ())),
+        ]
+        for what, pattern in given:
+            regex = glob_to_regex(pattern)
+            # A map's pattern acts on selected calls only; the selection's own names and
+            # patterns reach a call when it runs (other criteria may then leave it out).
+            reached = self.selected if what == "hook/log map pattern" else self.seen
+            if pattern in self.step_hits or any(regex.match(path) for path in reached):
                 continue
+            one_step = what == "hook/log map pattern" and may_name_a_step(pattern)
+            if one_step and could_be_step(pattern, list(self.selected)):
+                continue
+            called = sorted(p for p in self.seen if p)
+            close = difflib.get_close_matches(pattern, called, n=5, cutoff=0.4) or called[:12]
             raise HookError(
-                f"{pattern!r} selected no call: it matches no layer path, and no step of a "
-                "stack of layers (a stack's step follows the first layer called in its scan/"
-                f"vmap body, e.g. `blocks.1.attn`); layers called: {", ".join(sorted(p for p in self.seen if p)[:12])}"
+                f"{what} {pattern!r} selected no call of the model: no selected layer with a "
+                "matching path was called (a layer used only through a method other than "
+                "`__call__` is not a call site; a stack of layers run by indexing its arrays "
+                "makes new layers that are not the stack's; a number names one step of a "
+                f"stack, following the first layer called in its scan/vmap body, e.g. "
+                f"`blocks.1.attn`). Closest layers called: {', '.join(close) or 'none'}"
             )
 
     def apply(self, site: Site, role: str, fn: Any, value: Any) -> Any:
@@ -533,6 +592,7 @@ class HookContext:
         if self.in_foreign_trace():
             _harvest.sow(self._index_in_active(), self._tag_parts(key), value, transform_name())
             return
+        _check_unique(self.scopes[-1].logs, [key], "logs")
         self.scopes[-1].logs[key] = value
 
     def probe(self, site: Site, template: Any) -> Any:
@@ -548,6 +608,7 @@ class HookContext:
             )
         probe = probes[site.key]
         check_same_shape(site.key, "the BackwardHook.log entry (from .init)", template, probe)
+        _check_unique(self.scopes[-1].probed, [site.key], "cotangent slots")
         self.scopes[-1].probed.add(site.key)
         return probe
 
@@ -577,6 +638,7 @@ class HookContext:
         """A sown log reaching this context's innermost scope's trace."""
         key, count = self._renumber(tag)
         self.seen.add(tag.path)
+        self.selected |= {tag.path, key}
         self.scopes[-1].hooked = True
         logs = self.scopes[-1].logs
         if key in logs:
@@ -592,6 +654,8 @@ class HookContext:
     def arrive_slot(self, tag: Any, template: Any) -> Any:
         """The slot asked for by a planted value reaching this scope's trace."""
         key, _ = self._renumber(tag)
+        self.seen.add(tag.path)
+        self.selected |= {tag.path, key}
         scope = self.scopes[-1]
         if key not in scope.probes:
             raise HookError(
@@ -654,6 +718,16 @@ class HookContext:
         scope.lengths = parent.lengths
         if length is not None:
             scope.indices, scope.lengths = (*scope.indices, index), (*scope.lengths, length)
+        self._name(scope, outer, inner, length)
+        self.scopes.append(scope)
+
+    def name_returned(self, outer: Any, inner: Any) -> None:
+        """Name the modules of `inner`, a pytree of `outer`'s structure that the model's
+        code rebuilt (`eqx.nn.Shared` returns its layers with the tied arrays put back),
+        by position: each is the layer of `outer` at its position."""
+        self._name(self.scopes[-1], outer, inner, None)
+
+    def _name(self, scope: "_Scope", outer: Any, inner: Any, length: int | None) -> None:
         outer_nodes, inner_nodes = _positions(outer), _positions(inner)
         if len(outer_nodes) == len(inner_nodes):
             base: tuple[str, ...] = ()
@@ -675,7 +749,6 @@ class HookContext:
                         scope.leaves[id(inner_node)] = (paths, inner_node, outer_node)
                 if length is not None and id(inner_node) in scope.leaves and _one_axis_fewer(inner_node, outer_node):
                     scope.stacked = True
-        self.scopes.append(scope)
 
     def _known_path(self, module: Any) -> tuple[str, ...] | None:
         for table in (self.modules, *(s.modules for s in reversed(self.scopes))):
@@ -709,6 +782,7 @@ class HookContext:
             if step is not None and key in logs:
                 logs = {**logs, key: jtu.tree_map(lambda log, step=step: log[step], logs[key])}
             self.scopes[-1].steps[key] = [(d, s) for d, s in stack_steps if d != depth]
+        _check_unique(self.scopes[-1].probed, probed, "cotangent slots")
         self.scopes[-1].probed |= probed
         if self.in_foreign_trace():
             # The body's transform ran under one the engine did not thread: the logs
@@ -717,6 +791,7 @@ class HookContext:
             for key, value in logs.items():
                 _harvest.sow(index, self._tag_parts(key), value, where)
             return
+        _check_unique(self.scopes[-1].logs, logs, "logs")
         self.scopes[-1].logs.update(logs)
 
     @property
@@ -726,6 +801,19 @@ class HookContext:
     @property
     def needs_probes(self) -> bool:
         return not self.discovering and getattr(self.policy, "uses_probes", False)
+
+
+def _check_unique(taken: Any, keys: Any, what: str) -> None:
+    """Two calls must never share a log key (one would silently replace the other, or
+    their cotangents add up): `rename=` onto a generated key (`{"b": "a@1"}` while `a`
+    is called twice, `{"layers.1": "head:in"}` with a pre-log) is refused."""
+    clash = sorted(set(keys) & set(taken))
+    if clash:
+        raise HookError(
+            f"two calls would put their {what} under the same key(s) {clash}: a rename= "
+            "target collides with a key the engine gives (`path@n` for repeated calls, "
+            "`path:in` for pre-logs). Choose rename= keys that no other call gets."
+        )
 
 
 def _one_axis_fewer(inner: Any, outer: Any) -> bool:
@@ -844,6 +932,13 @@ def entered(context: HookContext) -> Iterator[list[HookContext]]:
         stack.remove(context)
 
 
+def name_returned(outer: Any, inner: Any) -> None:
+    """Name `inner`'s modules as the layers of `outer` at the same positions, in every
+    active context (adapters call it where a library rebuilds layers it returns)."""
+    for context in active():
+        context.name_returned(outer, inner)
+
+
 def origin(leaf: Any) -> Any:
     """The leaf of the hooked model that `leaf` stands for: inside a threaded vmap/scan/
     cond/checkpoint body, body inputs are new tracers; outside, a leaf is itself.
@@ -894,6 +989,8 @@ def call_site(
         run = functools.partial(context.run, run, owner, local, path, module)
     if run is call and not (contexts[-1].frames and contexts[-1].frames[-1][0] is owner):
         refuse_if_passed_through(type(owner).__name__, owner)
+        for context in contexts:
+            context.refuse_if_a_step_of_a_stack(owner)
     return run(*args, **kwargs)
 
 

@@ -36,4 +36,4 @@ def hooking(
         key = tuple(c.selection if c.observes_values else object() for c in active)
         with _hooking_jit_key(key):
             yield context
-    context.check_step_patterns()
+    context.check_reached()

@@ -195,11 +195,11 @@ class Selection:
             if source not in modules or not source:
                 raise HookError(_no_match("rename= path", source, paths, model_name))
         for name in self.names or ():
-            if (name not in modules or not name) and not _could_be_step(name, paths):
+            if (name not in modules or not name) and not could_be_step(name, paths):
                 raise HookError(_no_match("layer name", name, paths, model_name))
         for criterion in self.where or ():
             if isinstance(criterion, str):
-                if not any(glob_to_regex(criterion).match(p) for p in paths) and not _could_be_step(criterion, paths):
+                if not any(glob_to_regex(criterion).match(p) for p in paths) and not could_be_step(criterion, paths):
                     raise HookError(_no_match("where pattern", criterion, paths, model_name))
             elif isinstance(criterion, type):
                 known = [modules[p] for p in paths if modules[p] is not None]
@@ -269,7 +269,7 @@ def steps_of(pattern: str, segments: list[str | int], lengths: Sequence[int]) ->
     return [steps]
 
 
-def _could_be_step(pattern: str, paths: list[str]) -> bool:
+def could_be_step(pattern: str, paths: list[str]) -> bool:
     # Whether a pattern names one step of a stack of layers (`blocks.1.attn`): without
     # its number segments it matches a layer. Stacks are only known during the call.
     parts = pattern.split(".")

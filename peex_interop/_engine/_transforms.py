@@ -27,16 +27,26 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 
-from . import _context, _harvest, _patching, _pooling
+from . import _context, _harvest, _patching, _pooling, _shape_pass
 from ._errors import HookError
 
 
 def _real_eval_shape(fun: Callable, *args: Any) -> Any:
     """The engine's own abstract runs: not threaded as a model's `jax.eval_shape`
     would be, and not traced in a deferred scope as a jit compiled before hooking."""
-    return _eval_shape(_engine_body(fun), *args)
+    return _real_eval_shapes([fun], *args)[0]
+
+
+def _real_eval_shapes(funs: list[Callable], *args: Any) -> list:
+    """Abstract runs of `funs` one after another, as the real pass traces them (a
+    cond's branches), as one shape-only pass: the real pass that follows sees the
+    libraries' Python state (Haiku's module names, linen's rng counts) as the model
+    would without them (`_shape_pass`)."""
+    with _shape_pass.shape_only():
+        return [_eval_shape(_engine_body(fun), *args) for fun in funs]
 
 
 _eval_shape = jax.eval_shape  # bound at import: the real one
@@ -74,6 +84,7 @@ class _Body:
         self.steps: list[dict] = [{} for _ in self.contexts]
         # Whether the body ran a stack of layers (model arrays mapped in), per context.
         self.stacked = [False for _ in self.contexts]
+        self.static: list[dict] = [{} for _ in self.contexts]
         # A mapped body reads its index only for hooks that use it (it costs an input
         # or an axis name); statistics may need the axis name alone.
         self.needs_indices = any(c.needs_indices for c in self.contexts)
@@ -99,7 +110,11 @@ class _Body:
         finally:
             self.stacked = [context.scopes[-1].stacked for context in self.contexts]
             exits = [context.exit_body() for context in self.contexts]
-        logs = [log for log, _, _ in exits]
+        # Leaves of logs that are not arrays (a name, a flag) cannot be outputs of a
+        # transform: they stay here, the same for every example and step.
+        split = [_split_static(log) for log, _, _ in exits]
+        logs = [dynamic for dynamic, _ in split]
+        self.static = [static for _, static in split]
         self.probed = [probed for _, probed, _ in exits]
         self.steps = [steps for _, _, steps in exits]
         self.end = [dict(c.counts) for c in self.contexts]
@@ -124,7 +139,8 @@ class _Body:
 
     def probes(self, run: Callable[[list], Any], logs_of: Callable[[Any], list], length: int | None) -> list:
         """Per context, the backward slots of the layers that run inside the body,
-        found by one abstract run in which backward contexts record slot templates.
+        found by one abstract run in which backward contexts record slot templates (a
+        shape-only pass: the real run then names modules and draws keys as unhooked).
         The slot of one step of this body's stack (`blocks.1.attn`) has no step axis:
         it is spread over the `length` steps, and its gradient sums theirs (zeros but
         at its step)."""
@@ -188,17 +204,35 @@ class _Body:
         return out
 
     def finish(
-        self, logs: list, end: list | None = None, probed: list | None = None, steps: list | None = None
+        self, logs: list, end: list | None = None, probed: list | None = None, steps: list | None = None,
+        static: list | None = None,
     ) -> None:
-        for context, counts, log, slots, one_step in zip(
-            self.contexts, end or self.end, logs, probed or self.probed, steps or self.steps
+        for context, counts, log, slots, one_step, kept in zip(
+            self.contexts, end or self.end, logs, probed or self.probed, steps or self.steps, static or self.static
         ):
             context.counts = counts
+            log = {key: eqx.combine(value, kept[key]) if key in kept else value for key, value in log.items()}
             context.merge(log, slots, one_step)
 
     def release(self) -> None:
         self.fn = self.outer = None
         self.contexts = []
+
+
+def _split_static(logs: dict) -> tuple[dict, dict]:
+    """`logs` without the entries' leaves that no transform can return (strings, other
+    Python objects), and those leaves: kept by the body, the same for every example."""
+    dynamic, static = {}, {}
+    for key, log in logs.items():
+        if any(not _returnable(leaf) for leaf in jtu.tree_leaves(log)):
+            dynamic[key], static[key] = eqx.partition(log, _returnable)
+        else:
+            dynamic[key] = log
+    return dynamic, static
+
+
+def _returnable(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, jax.core.Tracer, np.ndarray, np.generic, bool, int, float, complex))
 
 
 def _one_step_of(template: Any) -> Any:
@@ -380,7 +414,10 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
 
     carried = bodies[0].enclosing()
     try:
-        shapes = [_real_eval_shape(branch(body, None), carried, *operands)[1] for body in bodies]
+        # In one pass: the real cond traces its branches in turn, and the second sees the
+        # names the first gave (two default-named Haiku modules: `linear`, `linear_1`).
+        runs = [branch(body, None) for body in bodies]
+        shapes = [logs for _, logs in _real_eval_shapes(runs, carried, *operands)]
         union = [
             {key: value for branch_logs in per_context for key, value in branch_logs.items()}
             for per_context in zip(*shapes)
@@ -393,7 +430,9 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
         probed = [set().union(*per_context) for per_context in zip(*(body.probed for body in bodies))]
         steps = [{k: v for branch_steps in per_context for k, v in branch_steps.items()}
                  for per_context in zip(*(body.steps for body in bodies))]
-        bodies[0].finish(logs, end, probed, steps)
+        static = [{k: v for branch_static in per_context for k, v in branch_static.items()}
+                  for per_context in zip(*(body.static for body in bodies))]
+        bodies[0].finish(logs, end, probed, steps, static)
     finally:
         for body in bodies:
             body.release()

@@ -26,6 +26,12 @@ class AbstractHookWrapper(AbstractTransparent):
         return tuple(fn for fn in (getattr(self, name, None) for name in names) if fn is not None)
 
     @property
+    def explicit_patterns(self) -> tuple[str, ...]:
+        """The patterns of `{pattern: hook}` / `{pattern: log}` maps given as hooks or
+        logs: each must select a call (`HookContext.check_reached`)."""
+        return tuple(p for fn in self._user_functions() for p in getattr(fn, "patterns", ()))
+
+    @property
     def needs_indices(self) -> bool:
         """Whether the engine must give mapped bodies' traced indices to the hooks."""
         return any(needs_indices(fn) for fn in self._user_functions())

@@ -1,0 +1,156 @@
+"""The corners of issue 22 where an answer was silently wrong, each now right or a clear
+error: tied weights, renames onto generated keys, layers used through other methods,
+stacks run by indexing, non-array log leaves inside transforms, and the closed-world
+rule (every explicit pattern reaches a call)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import peex_interop as px
+from models import close
+
+KEYS = jax.random.split(jax.random.key(0), 6)
+X = jnp.array([0.5, -0.2, 0.3])
+
+
+class Tied(eqx.Module):
+    shared: eqx.nn.Shared
+
+    def __init__(self, use_bias: bool):
+        a = eqx.nn.Linear(3, 3, use_bias=use_bias, key=KEYS[0])
+        b = eqx.nn.Linear(3, 3, use_bias=use_bias, key=KEYS[1])
+        self.shared = eqx.nn.Shared((a, b), lambda pair: pair[1].weight, lambda pair: pair[0].weight)
+
+    def __call__(self, x):
+        a, b = self.shared()
+        return b(jnp.tanh(a(x)))
+
+
+@pytest.mark.parametrize("use_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "filter_jit"])
+def test_tied_weights_are_named_by_their_positions(use_bias, jit):
+    model = Tied(use_bias)
+    a, b = model.shared()
+    call = eqx.filter_jit(lambda h, x: h(x)) if jit else (lambda h, x: h(x))
+    _, log = call(px.ForwardHook(model, log_fn=px.IdentityLog()), X)
+    assert set(log) == {"shared.pytree.0", "shared.pytree.1"}
+    close(log["shared.pytree.0"], a(X))
+    close(log["shared.pytree.1"], b(jnp.tanh(a(X))))
+    # An edit of one lands on that one only.
+    edited, _ = call(px.ForwardHook(model, hook_fn=lambda y: y + 1.0, where="shared.pytree.0"), X)
+    close(edited, b(jnp.tanh(a(X) + 1.0)))
+    edited, _ = call(px.ForwardHook(model, hook_fn=lambda y: y + 1.0, where="shared.pytree.1"), X)
+    close(edited, b(jnp.tanh(a(X))) + 1.0)
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog()).init(X)
+    grads = eqx.filter_grad(lambda h, x: jnp.sum(call(h, x) ** 2))(hooked, X)
+    out = b(jnp.tanh(a(X)))
+    close(grads.log["shared.pytree.1"], 2 * out)
+    _, vjp = jax.vjp(lambda y: b(jnp.tanh(y)), a(X))
+    close(grads.log["shared.pytree.0"], vjp(2 * out)[0])
+
+
+class Twice(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(self.b(self.a(self.a(x))))
+
+
+TWICE = Twice(*(eqx.nn.Linear(3, 3, key=k) for k in KEYS[:3]))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(rename={"b": "a@1"}, log_fn=px.IdentityLog()),
+        dict(rename={"b": "head:in"}, log_fn=px.IdentityLog(), pre_log_fn=px.IdentityLog()),
+    ],
+    ids=["onto_a_repeat", "onto_a_pre_log"],
+)
+def test_a_rename_onto_a_generated_key_is_refused(kwargs):
+    with pytest.raises(px.HookError, match="same key"):
+        px.ForwardHook(TWICE, **kwargs)(X)
+
+
+def test_a_backward_rename_onto_a_generated_key_is_refused():
+    with pytest.raises(px.HookError, match="same key"):
+        px.BackwardHook(TWICE, log_fn=px.IdentityLog(), rename={"b": "a@1"}).init(X)
+
+
+class Encoder(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def encode(self, x):
+        return 2 * self.lin(x)
+
+
+class UsesAMethod(eqx.Module):
+    enc: Encoder
+
+    def __call__(self, x):
+        return self.enc.encode(x)
+
+
+def test_a_layer_used_only_through_a_method_raises_and_its_sublayers_are_hooked():
+    model = UsesAMethod(Encoder(eqx.nn.Linear(3, 3, key=KEYS[3])))
+    with pytest.raises(px.HookError, match=r"'enc' selected no call.*method other than `__call__`"):
+        px.ForwardHook(model, log_fn=px.IdentityLog(), where="enc")(X)
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="enc.*")(X)
+    close(log["enc.lin"], model.enc.lin(X))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(log_fn={"hed": px.IdentityLog()}), dict(hook_fn={"head": jnp.tanh, "b.*": jnp.tanh})],
+    ids=["log_map", "hook_map"],
+)
+def test_every_pattern_of_a_map_must_reach_a_call(kwargs):
+    with pytest.raises(px.HookError, match=r"pattern '(hed|b\.\*)' selected no call"):
+        px.ForwardHook(TWICE, **kwargs)(X)
+
+
+class IndexedStack(eqx.Module):
+    layers: eqx.nn.Linear
+    loop: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        step = lambda i, x: eqx.combine(jax.tree.map(lambda a: a[i], dynamic), static)(x)
+        if self.loop == "python":
+            for i in range(3):
+                x = step(i, x)
+            return x
+        return jax.lax.fori_loop(0, 3, step, x)
+
+
+@pytest.mark.parametrize("loop", ["python", "fori_loop"])
+@pytest.mark.parametrize("where", [None, "layers"])
+def test_a_stack_run_by_indexing_is_refused_not_left_unhooked(loop, where):
+    model = IndexedStack(eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(KEYS[:3]), loop)
+    with pytest.raises(px.HookError, match=r"one step of the stack of layers 'layers'"):
+        px.ForwardHook(model, log_fn=px.IdentityLog(), where=where)(X)
+    # Excluding it runs, unhooked, as the plain model.
+    out, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.not_("layers"))(X)
+    close(out, model(X))
+    assert log == {}
+
+
+class Mapped(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, xs):
+        return jax.lax.scan(lambda c, x: (c, self.lin(x)), 0.0, xs)[1] + jax.vmap(self.lin)(xs)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "filter_jit"])
+def test_non_array_log_leaves_cross_transforms_as_they_are(jit):
+    model, xs = Mapped(eqx.nn.Linear(3, 3, key=KEYS[4])), jnp.stack([X, 2 * X])
+    call = eqx.filter_jit(lambda h, x: h(x)) if jit else (lambda h, x: h(x))
+    _, log = call(px.ForwardHook(model, log_fn=lambda y: {"name": "lin", "mean": jnp.mean(y)}), xs)
+    assert set(log) == {"lin", "lin@1"}
+    for key in log:
+        assert log[key]["name"] == "lin"
+        close(log[key]["mean"], jnp.mean(jax.vmap(model.lin)(xs), axis=-1))
