@@ -224,6 +224,9 @@ class _Call:
             if found is not None and found[len(found) - len(relative) :] == relative:
                 return found[: len(found) - len(relative)]
         caller = ".".join(self.running[-1]) if self.running else ""
+        # Parameters that a transform the engine cannot thread received as arguments are
+        # its tracers: that transform is what to name.
+        _context.refuse_if_passed_through(f"call of layer function {getattr(function, '__name__', function)!r}", params)
         raise HookError(
             f"cannot name the call of layer function {getattr(function, '__name__', function)!r} "
             f"(called inside layer {caller!r}): its first argument holds arrays that are "

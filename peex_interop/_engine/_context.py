@@ -161,8 +161,6 @@ class _Scope:
     # The body of a jit compiled before hooking: JAX may replay its trace, so its calls
     # count from zero and its logs leave sown, renumbered on arrival (`_harvest`).
     deferred: bool = False
-    # Whether a selected layer ran in this scope (or sent values into it).
-    hooked: bool = False
     # Opened inside a program traced by a transform the engine did not thread (a
     # while_loop body), named here: JAX may cache that trace and replay it with other
     # hooks.
@@ -287,6 +285,9 @@ class HookContext:
         self._batch: Any = None
         self._batch_base: dict[str, int] = {}
         self._outer_counts: list[dict[str, int]] = []
+        # Selected calls so far, and at the entry of each open deferred scope.
+        self.hooked_calls = 0
+        self._hooked_at_entry: list[int] = []
         # This call's own wrappers of jitted functions that call selected layers.
         self.deferred_bodies: dict[Any, Callable] = {}
         self.scopes = [_Scope({} if probes is None else probes, _trace_state())]
@@ -417,7 +418,9 @@ class HookContext:
                     return call(*args, **kwargs)
             if self.observes_values:
                 self._check_carryable(path, steps is not True)
-            self.scopes[-1].hooked = True
+            # Any selected call (also in a body inside a deferred scope) makes its jit's
+            # trace one of this call's own.
+            self.hooked_calls += 1
             name = self.renames.get(path, path)
             claimed = self.claims.setdefault(name, path)
             if claimed != path:
@@ -639,7 +642,7 @@ class HookContext:
         key, count = self._renumber(tag)
         self.seen.add(tag.path)
         self.selected |= {tag.path, key}
-        self.scopes[-1].hooked = True
+        self.hooked_calls += 1
         logs = self.scopes[-1].logs
         if key in logs:
             raise HookError(
@@ -672,12 +675,15 @@ class HookContext:
         """A planted slot passing through a deferred scope: numbered among its calls."""
         key, count = self._renumber(tag)
         del key
+        self.hooked_calls += 1
         return dataclasses.replace(tag, count=count, batch=None)
 
-    def enter_deferred(self, outer: Any, inner: Any) -> None:
+    def enter_deferred(self, outer: Any, inner: Any, cached: str | None = None) -> None:
         """Open the scope of a jit compiled before hooking (its trace may be replayed):
-        layers are named through its arguments, calls count from zero."""
-        self.enter_body(outer, inner, {})
+        layers are named through its arguments, calls count from zero. `cached`: the
+        unthreadable transform the jit was called in, if any."""
+        self._hooked_at_entry.append(self.hooked_calls)
+        self.enter_body(outer, inner, {}, cached=cached)
         scope = self.scopes[-1]
         # The enclosing indices are values of another trace: unknown here (hooks that
         # read them are refused); the lengths still say how the logs are stacked.
@@ -692,12 +698,13 @@ class HookContext:
         whether a selected layer ran in it."""
         scope = self.scopes.pop()
         self.counts = self._outer_counts.pop()
+        hooked = self.hooked_calls > self._hooked_at_entry.pop()
         if not scope.logs:
-            return scope.hooked
+            return hooked
         index = self._index_in_active()
         for key, value in scope.logs.items():
             _harvest.sow(index, self._tag_parts(key, relative=True), value, "a jax.jit compiled before hooking began")
-        return True
+        return hooked
 
     # -- transformed bodies -------------------------------------------------------------
     def enter_body(

@@ -684,13 +684,29 @@ def _deferring_infer_params(real_infer_params: Callable) -> Callable:
         contexts = _context.active()
         if not contexts or getattr(fun, _THREADED_BODY, False):
             return real_infer_params(fun, jit_info, args, kwargs)
-        _jit_arguments.items.append((args, kwargs))
+        # Where the jit is called: what its body stands for, and whether it runs inside a
+        # transform that can neither be threaded nor carried through (a while_loop).
+        _jit_arguments.items.append(((args, kwargs), [context.unthreadable() for context in contexts]))
         try:
             return real_infer_params(_deferred_body(fun), jit_info, args, kwargs)
         finally:
             _jit_arguments.items.pop()
 
     return infer_params
+
+
+def _no_fast_path(real_get_fastpath_data: Callable) -> Callable:
+    """A jit called eagerly while hooking gets no entry in JAX's C++ dispatch cache:
+    a later hooked call with other hooks would run this call's program without
+    reaching Python (`_infer_params`), silently replaying its edits and dropping its
+    logs. Its compiled program is still cached, keyed on its trace."""
+
+    def get_fastpath_data(*args, **kwargs):
+        if _context.active():
+            return None
+        return real_get_fastpath_data(*args, **kwargs)
+
+    return get_fastpath_data
 
 
 # Marks the engine's own jit bodies, which thread their logs as outputs.
@@ -735,9 +751,9 @@ def _make_deferred(fun: Callable) -> Callable:
         function = reference()
         assert function is not None, "a jitted function was collected while traced"
         contexts = list(_context.active())
-        outer = _jit_arguments.items[-1] if _jit_arguments.items else (args, kwargs)
-        for context in contexts:
-            context.enter_deferred(outer, (args, kwargs))
+        outer, cached = _jit_arguments.items[-1] if _jit_arguments.items else ((args, kwargs), [None] * len(contexts))
+        for context, where in zip(contexts, cached):
+            context.enter_deferred(outer, (args, kwargs), where)
         hooked = False
         try:
             return function(*args, **kwargs)
@@ -746,6 +762,9 @@ def _make_deferred(fun: Callable) -> Callable:
                 hooked = context.exit_deferred() or hooked
             if hooked and _weakrefable(function):
                 _hooked_inside.add(function)
+                # Its shared wrapper's trace holds that call's hooks (and may close over
+                # its tracers): let JAX's cache entry for it go.
+                _deferred_bodies.pop(function, None)
 
     # No strong reference back to `fun`: the wrapper is the value of a weak-keyed cache.
     del deferred.__wrapped__
@@ -785,5 +804,6 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
         (jax, "shard_map", threaded_shard_map),
         (_JitWrapper, "__call__", threaded_filter_jit_call),
         (pjit, "_infer_params", _deferring_infer_params),
+        (pjit, "_get_fastpath_data", _no_fast_path),
         *_harvest.primitive_patches(),
     ]
