@@ -1081,7 +1081,7 @@ def findings(rows, steady, sizes, flatten, first, memory, unpooled):
     lines.append(
         "- **Values a first call returns** (the log-everything log holds every layer's output, attention "
         "weights included, and a layer that is also its container's last call twice; the hand-written "
-        "pass returns each block's layer outputs once): " + "; ".join(values) + "."
+        "pass returns the same values): " + "; ".join(values) + "."
     )
     return "\n".join(lines) + "\n"
 
