@@ -236,6 +236,7 @@ def test_threaded_transform_inside_an_unthreaded_one_is_refused():
 SHARD_MAP_SCRIPT = textwrap.dedent(
     """
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax import shard_map as bound_shard_map  # bound before peex_interop is imported
     import peex_interop as px
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -244,6 +245,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
     class Sharded(eqx.Module):
         lin: eqx.nn.Linear
         nested: bool = eqx.field(static=True)
+        bound: bool = eqx.field(static=True, default=False)
 
         def __call__(self, xs):
             def local(layer, x):
@@ -252,12 +254,13 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
                     ys = jax.lax.scan(lambda c, y: (c, layer(y)), None, ys)[1]
                 return jnp.tanh(ys)
 
-            return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"))(self.lin, xs)
+            shard_map = bound_shard_map if self.bound else jax.shard_map
+            return shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"))(self.lin, xs)
 
     lin = eqx.nn.Linear(3, 3, key=jax.random.key(0))
     xs = jax.device_put(jax.random.normal(jax.random.key(1), (16, 3)), NamedSharding(mesh, P("d")))
-    for nested in (False, True):
-        model = Sharded(lin, nested)
+    for nested, bound in ((False, False), (True, False), (False, True), (True, True)):
+        model = Sharded(lin, nested, bound)
         first = jax.vmap(lin)(xs)
         expected = jax.vmap(lin)(first) if nested else first
         for call in (lambda h, x: h(x), eqx.filter_jit(lambda h, x: h(x))):

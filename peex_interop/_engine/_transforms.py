@@ -643,7 +643,7 @@ def threaded_shard_map(real_shard_map: Callable) -> Callable:
             return functools.partial(shard_map, **options)  # used as a decorator factory
 
         def sharded(*args):
-            if not _context.active():
+            if not _context.active() or options.get("_smap"):
                 return real_shard_map(f, **options)(*args)
             mesh = options.get("mesh") or jax.sharding.get_abstract_mesh()
             per_device = jax.sharding.PartitionSpec(tuple(options.get("axis_names") or mesh.axis_names))
@@ -797,6 +797,7 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
     jit trace entry of functions jitted before hooking, and the primitives that carry
     values through the transforms applied before hooking (`_harvest`)."""
     from jax._src import pjit
+    from jax._src import shard_map as jax_shard_map
 
     cell = _patching.WRAPPED_FUNCTION
     return [
@@ -812,7 +813,8 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
         # by another reference is traced in a deferred scope instead.
         (jax, "jit", threaded_jit),
         (jax, "eval_shape", threaded_eval_shape),
-        (jax, "shard_map", threaded_shard_map),
+        # `jax.shard_map` calls the module's `_shard_map` however it was reached.
+        (jax_shard_map, "_shard_map", threaded_shard_map),
         (_JitWrapper, "__call__", threaded_filter_jit_call),
         (pjit, "_infer_params", _deferring_infer_params),
         (pjit, "_get_fastpath_data", _no_fast_path),
