@@ -796,8 +796,7 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
     jax import vmap`, `import jax.lax as L`, `functools.partial(jax.vmap, ...)`), the
     jit trace entry of functions jitted before hooking, and the primitives that carry
     values through the transforms applied before hooking (`_harvest`)."""
-    from jax._src import pjit
-    from jax._src import shard_map as jax_shard_map
+    from jax._src import pjit, shard_map as jax_shard_map
 
     cell = _patching.WRAPPED_FUNCTION
     return [
