@@ -16,6 +16,11 @@ jax.config.update("jax_platforms", "cpu")
 # against independent computations on the same draws, whatever their bits; the numbers
 # printed in peex's README are drawn with JAX's default (test_peex_compat.py).
 jax.config.update("jax_threefry_partitionable", False)
+# XLA's backend optimisations off: most of the suite's time is XLA compiling tiny
+# programs, each run a few times (an example's whole run: 24 -> 14 s of CPU). Results
+# are compared with independent computations compiled the same way.
+jax.config.update("jax_disable_most_optimizations", True)
+os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # read by jax in the examples' subprocesses
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Tests retrace the same computations many times (a fresh hooked wrapper, a fresh
@@ -58,3 +63,24 @@ def frozen_heap(thawed_after_module):
     the transform matrices' time.)"""
     gc.collect()
     gc.freeze()
+
+
+# Each docs page and each example is one long test (tens of seconds): run together in
+# one worker (xdist's `loadfile`), they made that worker the suite's critical path. Every
+# other file stays one group (its module fixtures built once); the long tests are groups
+# of their own, handed out first and the other files by decreasing size (what xdist's
+# own reordering does), so that the two workers finish together.
+_ONE_GROUP_PER_TEST = {"test_docs_and_examples.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    sizes: dict[str, int] = {}
+    for item in items:
+        alone = item.path.name in _ONE_GROUP_PER_TEST
+        group = item.nodeid if alone else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+        # A page's or an example's size in bytes stands in for its time; a file's, the
+        # number of its tests.
+        target = alone and (item.callspec.params.get("page") or item.callspec.params.get("example"))
+        sizes[group] = Path(target).stat().st_size * 1000 if target else sizes.get(group, 0) + 1
+    items.sort(key=lambda item: -sizes[item.nodeid if item.path.name in _ONE_GROUP_PER_TEST else item.path.name])

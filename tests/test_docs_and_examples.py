@@ -4,7 +4,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,29 +29,16 @@ PRINTS = {
 assert set(PRINTS) <= {example.name for example in EXAMPLES}  # no check lost to a rename
 
 
-@pytest.fixture(scope="module", autouse=True)
-def example_runs(tmp_path_factory):
-    """Every example, run as a user would run it (outputs in a temporary folder), started
-    when this module starts: as many at a time as there are cores, in the background of
-    the snippet tests, since each mostly waits on its own imports and XLA compiles."""
-
-    # Created here, once: the threads below would race to create the session's base
-    # folder (FileExistsError, or one thread's cleanup removing another's folder).
-    tmp_path_factory.getbasetemp()
-
-    def run(example):
-        cwd = tmp_path_factory.mktemp(example.stem)
-        command = [sys.executable, str(example)]
-        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        yield {example: pool.submit(run, example) for example in EXAMPLES}
-        pool.shutdown(cancel_futures=True)
-
-
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_examples_run(example, example_runs):
-    result = example_runs[example].result()
+def test_examples_run(example, tmp_path):
+    # Run as a user would run it, its outputs in a temporary folder. Each example is a
+    # scheduling group of its own (conftest.py), so the two workers share them out.
+    command = [sys.executable, str(example)]
+    env = dict(os.environ)
+    if example.name in PRINTS:
+        # Numbers printed by XLA compiled with its default optimisations (conftest.py).
+        env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout
     for number in PRINTS.get(example.name, []):
