@@ -30,6 +30,7 @@ are renumbered when they arrive (`HookContext.arrive`), in call order.
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -264,9 +265,21 @@ def _jit_impl(original: Callable) -> Callable:
         sown, planted = _carried(params["jaxpr"])
         if sown or planted:
             return pjit.jit_p.bind(*args, **params), None, None, []
-        return original(*args, **params)
+        result = original(*args, **params)
+        if params["jaxpr"] in hooked_programs:
+            hooked_executables.add(result[1])
+        return result
 
     return call_impl
+
+
+# The programs of jit calls whose trace ran a selected layer (`_transforms`), and the
+# executables compiled from them: kept out of JAX's C++ dispatch cache, whose entry a
+# later hooked call would run without tracing (replaying this call's edits, dropping
+# its logs). An executable, not the last traced jit, tells them: jits run between a
+# trace and its cache entry (`jnp`'s own, eagerly) would be taken for it.
+hooked_programs: "weakref.WeakSet[Any]" = weakref.WeakSet()
+hooked_executables: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _subjaxprs(params: dict) -> list[core.Jaxpr]:
@@ -300,6 +313,9 @@ def _refusing(name: str) -> Callable[[Callable], Callable]:
 
         return bind_with_trace
 
+    # Built per hooking context: nested contexts (a BackwardHook of a ForwardHook)
+    # install the same refusal.
+    make.purpose = ("refusing", name)  # pyright: ignore[reportFunctionMemberAccess]
     return make
 
 

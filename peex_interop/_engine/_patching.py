@@ -11,8 +11,10 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ._errors import HookError
+
 _lock = threading.Lock()
-# (id(owner), name) -> [owner, had_own_attribute, original_value, count]
+# (id(owner), name) -> [owner, had_own_attribute, original_value, count, purpose]
 _installed: dict[tuple[int, str], list] = {}
 
 ORIGINAL = "__peex_interop_original__"
@@ -47,10 +49,26 @@ def entry_point(wrapper: Any) -> Any:
     return unwrap(wrapper).__wrapped__
 
 
+def purpose_of(make: Callable[[Any], Any]) -> Any:
+    """What a patch maker's replacement does: makers built per call (closures) name it
+    in a `purpose` attribute, module-level ones are their own."""
+    return getattr(make, "purpose", make)
+
+
 def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     with _lock:
         entry = _installed.get((id(owner), name))
         if entry is not None:
+            # An overlapping call shares the replacement installed first; one wanting
+            # another replacement there would silently get the first one's behaviour.
+            if entry[4] != purpose_of(make):
+                what = getattr(owner, "__name__", type(owner).__name__)
+                raise HookError(
+                    f"{what}.{name} is already intercepted for {entry[4]!r} and cannot also be for "
+                    f"{purpose_of(make)!r} in the same call: select one of the two (a function named in "
+                    "px.function_sites that the engine already makes a site of, such as "
+                    "jax.nn.dot_product_attention, is selected through that site instead)"
+                )
             entry[3] += 1
             return
         if name == WRAPPED_FUNCTION:
@@ -66,7 +84,7 @@ def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
             _cell(owner).cell_contents = replacement
         else:
             setattr(owner, name, replacement)
-        _installed[(id(owner), name)] = [owner, had_own, own_value, 1]
+        _installed[(id(owner), name)] = [owner, had_own, own_value, 1, purpose_of(make)]
 
 
 def _uninstall(owner: Any, name: str) -> None:
@@ -138,4 +156,5 @@ def call_patches(
 
         return __call__
 
+    make.purpose = ("layer calls", route)  # pyright: ignore[reportFunctionMemberAccess]
     return method_patches(types, "__call__", make)

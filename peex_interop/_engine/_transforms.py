@@ -18,7 +18,6 @@ dynamic `fori_loop`, ...) is refused (`HookContext.unthreadable`).
 
 import functools
 import inspect
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -684,17 +683,17 @@ def _deferring_infer_params(real_infer_params: Callable) -> Callable:
     def infer_params(fun, jit_info, args, kwargs):
         contexts = _context.active()
         if not contexts or getattr(fun, _THREADED_BODY, False):
-            _last_jit.hooked = False  # a new program per call: never replayed
             return real_infer_params(fun, jit_info, args, kwargs)
         # Where the jit is called: what its body stands for, and whether it runs inside a
         # transform that can neither be threaded nor carried through (a while_loop).
         _jit_arguments.items.append(((args, kwargs), [context.unthreadable() for context in contexts]))
         try:
-            return real_infer_params(_deferred_body(fun), jit_info, args, kwargs)
+            inferred = real_infer_params(_deferred_body(fun), jit_info, args, kwargs)
         finally:
             _jit_arguments.items.pop()
-            # Read by `_no_fast_path`, which the same jit call runs next.
-            _last_jit.hooked = fun in _hooked_inside
+        if fun in _hooked_inside:
+            _harvest.hooked_programs.add(inferred[0].params["jaxpr"])
+        return inferred
 
     return infer_params
 
@@ -706,19 +705,12 @@ def _no_fast_path(real_get_fastpath_data: Callable) -> Callable:
     edits and dropping its logs. Its compiled program is still cached, keyed on its
     trace; jits that run no selected layer (`jnp`'s own) keep their fast path."""
 
-    def get_fastpath_data(*args, **kwargs):
-        if _context.active() and getattr(_last_jit, "hooked", False):
+    def get_fastpath_data(executable, *args, **kwargs):
+        if executable is not None and executable in _harvest.hooked_executables:
             return None
-        return real_get_fastpath_data(*args, **kwargs)
+        return real_get_fastpath_data(executable, *args, **kwargs)
 
     return get_fastpath_data
-
-
-class _LastJit(threading.local):
-    hooked = False
-
-
-_last_jit = _LastJit()
 
 # Marks the engine's own jit bodies, which thread their logs as outputs.
 _THREADED_BODY = "__peex_interop_threaded_body__"
