@@ -6,7 +6,8 @@ Method:
   Linear layers of width 512 with relu on a batch of 64, and 6 pre-LN transformer
   blocks with the library's built-in attention (d 128, 4 heads, MLP 4d with gelu) on
   8 sequences of 64 (`FULL_SIZES`; `--quick` shrinks them, `QUICK_SIZES`); plus a tiny
-  model (one Linear 4 -> 4) where dispatch dominates. Parameters are NumPy draws
+  model (one Linear 4 -> 4) where dispatch dominates; and the Equinox MLP at width
+  256 (`NARROW`) for the statistics' training step. Parameters are NumPy draws
   (`tests/models.py: random_like`), so that outputs can be compared; nothing is
   initialised eagerly.
 - Every variant is a zero-argument call of a jitted function. Variants of one group
@@ -19,6 +20,9 @@ Method:
   depths are timed in fresh processes (`benchmarks/first_call.py`; imports,
   construction and backend start-up excluded, persistent compilation cache off),
   variants alternating.
+- Port rows: a linen LM (the Flax lm1b example's size) ported to its abstract NNX
+  twin, each stage (transfer, verification, with cotangents) timed once on empty
+  caches against raw first-call forwards and gradients of both models.
 - Each hooked variant's output is compared with its library's raw output (max abs
   diff); the statistics' memory comes from `jax.eval_shape` of the hooked forward.
 - The findings are computed from this run's medians, jaxprs and memory rows.
@@ -533,6 +537,24 @@ def train_output(result):
     return eqx.filter(result[0], eqx.is_inexact_array)
 
 
+# The issue's smaller MLP (12 x Linear(256), batch 64): a per-layer fixed cost of the
+# statistics, hidden by the 512-wide model's larger step, shows on it.
+NARROW = 256
+
+
+def narrow_train_variants():
+    """The Equinox training steps of `train_variants` (plain, statistics with and
+    without histogram) on the MLP of width `NARROW` (`--quick`: its own width, if
+    smaller)."""
+    global S
+    wide = S
+    S = dataclasses.replace(S, width=min(NARROW, S.width))
+    try:
+        return train_variants("Equinox")[0], f"Equinox MLP {S.width}"
+    finally:
+        S = wide
+
+
 # How `every=10` is run: one compiled step deciding under `lax.cond`, or on the host.
 EVERY_TEN_TEXT = (
     "ten calls of one compiled statistics step that computes them only on due steps "
@@ -887,6 +909,22 @@ def train_rows(library, medians, sizes):
     return [r for r in rows if r is not None]
 
 
+def narrow_rows(model, medians):
+    """The two statistics rows of the narrow MLP's training step."""
+    histogram = medians["train stats"] - medians["train stats no hist"]
+    values = S.mlp_batch * min(NARROW, S.width)
+    return [
+        ratio_row("statistics", "train step, activation_stats without histogram / plain",
+                  model, medians, "train stats no hist", "train plain", 1.05,
+                  f"a step of {medians['train plain'] * 1e3:.2f} ms: per layer, mean, std and near-zero "
+                  f"cost {(medians['train stats no hist'] - medians['train plain']) / DEPTH * 1e6:.0f} µs"),
+        ratio_row("statistics", "train step, activation_stats with histogram / plain",
+                  model, medians, "train stats", "train plain", 1.25,
+                  f"the histograms add {histogram / medians['train plain']:.1%} of the plain step: "
+                  f"{histogram / DEPTH * 1e6:.0f} µs per layer of {values:,} values"),
+    ]
+
+
 def memory_table_rows(memory):
     rows = []
     (b_short, s_short), (_, s_long), (b_long, _) = memory_shapes()
@@ -933,6 +971,141 @@ def compile_rows(first, sizes):
                         f"(L = {high} over L = {low})", "Equinox scanned transformer",
                         f"{hooked:.2f}x", f"{raw:.2f}x", hooked / raw, 1.1, why=why))
     return rows
+
+
+# ---------------------------------------------------------------- port
+
+
+@dataclasses.dataclass(frozen=True)
+class PortSizes:
+    """The ported language model: the Flax lm1b example's decoder (`--quick`: smaller)."""
+
+    vocab: int
+    dim: int
+    heads: int
+    mlp: int
+    layers: int
+    batch: int
+    seq: int
+
+
+PORT_FULL = PortSizes(vocab=30_000, dim=512, heads=8, mlp=2048, layers=6, batch=2, seq=64)
+PORT_QUICK = PortSizes(vocab=500, dim=32, heads=2, mlp=64, layers=2, batch=2, seq=8)
+
+
+class LinenPortBlock(nn.Module):
+    heads: int
+    mlp: int
+
+    @nn.compact
+    def __call__(self, x, mask):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(nn.LayerNorm()(x), mask=mask)
+        h = nn.relu(nn.Dense(self.mlp)(nn.LayerNorm()(x)))
+        return x + nn.Dense(x.shape[-1])(h)
+
+
+class LinenPortLM(nn.Module):
+    """A decoder-only LM with linen's default names (`Embed_0`, `LinenPortBlock_0`, ...)."""
+
+    sizes: PortSizes
+
+    @nn.compact
+    def __call__(self, tokens):
+        s = self.sizes
+        x, mask = nn.Embed(s.vocab, s.dim)(tokens), nn.make_causal_mask(tokens)
+        for _ in range(s.layers):
+            x = LinenPortBlock(s.heads, s.mlp)(x, mask)
+        return nn.Dense(s.vocab)(nn.LayerNorm()(x))
+
+
+class NnxPortBlock(nnx.Module):
+    def __init__(self, s, rngs):
+        self.norm1, self.norm2 = nnx.LayerNorm(s.dim, rngs=rngs), nnx.LayerNorm(s.dim, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(s.heads, s.dim, decode=False, rngs=rngs)
+        self.hidden, self.out = nnx.Linear(s.dim, s.mlp, rngs=rngs), nnx.Linear(s.mlp, s.dim, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attention(self.norm1(x), mask=mask)
+        return x + self.out(nnx.relu(self.hidden(self.norm2(x))))
+
+
+class NnxPortLM(nnx.Module):
+    """The NNX twin, with its own names."""
+
+    def __init__(self, s, rngs):
+        self.embed = nnx.Embed(s.vocab, s.dim, rngs=rngs)
+        self.blocks = nnx.List([NnxPortBlock(s, rngs) for _ in range(s.layers)])
+        self.norm, self.logits = nnx.LayerNorm(s.dim, rngs=rngs), nnx.Linear(s.dim, s.vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x, mask = self.embed(tokens), nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.logits(self.norm(x))
+
+
+PORT_TEXT = (
+    "Port: a decoder-only LM in linen (default names; the Flax lm1b example's config in a "
+    "full run: 6 layers, d 512, 8 heads, MLP 2048, vocab 30,000, 49.7M parameters; "
+    "NumPy-drawn weights) ported to its NNX twin built by `nnx.eval_shape`, on 2 x 64 tokens "
+    "(`--quick`: a small one). Each stage is one call on empty caches (`jax.clear_caches()`), "
+    "as a port runs once: `px.transfer_params(..., verify=False)` against 0.5 s per 50M "
+    "parameters; `px.compare` with the alignment (what `px.port` verifies with), with and "
+    "without cotangents, against one first call (trace, compile, run) of `jax.jit` of each "
+    "model's forward (`module.apply`; the NNX twin's merge and call) and of its gradient "
+    "of `0.5 * sum(logits**2)`. `px.compare` compiles the hooked passes of both models as one "
+    "program; with cotangents, one gradient pass per model, its forward log the pass's "
+    "auxiliary output.\n\n"
+)
+
+
+def timed(fn, *args, **kwargs):
+    """`(result, seconds)` of one call on empty compilation caches: trace, compile, run."""
+    jax.clear_caches()
+    start = time.perf_counter()
+    result = jax.block_until_ready(fn(*args, **kwargs))
+    return result, time.perf_counter() - start
+
+
+def port_rows(s):
+    """The `px.port` rows: a linen LM ported into its abstract NNX twin. Every stage is
+    timed once on empty compilation caches, as a port runs once: align, transfer (no
+    verification), the verification with and without cotangents, the whole port, and
+    one raw first-call forward and gradient of each model (`jax.jit` of `module.apply`,
+    and of the NNX twin's merge and call)."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, s.vocab, (s.batch, s.seq)), jnp.int32)
+    module = LinenPortLM(s)
+    variables = random_like(jax.eval_shape(module.init, jax.random.key(0), tokens))
+    source = px.from_linen(module, variables)
+    abstract = px.from_nnx(nnx.eval_shape(lambda: NnxPortLM(s, nnx.Rngs(0))))
+    params = sum(x.size for x in jax.tree.leaves(variables))
+
+    graphdef, state = nnx.split(px.to_nnx(abstract))
+    state = random_like(state)
+    loss = lambda logits: 0.5 * jnp.sum(logits**2)
+    raw_nnx = lambda state: nnx.merge(graphdef, state)(tokens)
+    forward = timed(jax.jit(module.apply), variables, tokens)[1] + timed(jax.jit(raw_nnx), state)[1]
+    gradient = timed(jax.jit(jax.grad(lambda v: loss(module.apply(v, tokens)))), variables)[1] + (
+        timed(jax.jit(jax.grad(lambda state: loss(raw_nnx(state)))), state)[1])
+
+    alignment, align_s = timed(px.align, source, abstract, tokens)
+    ported, transfer_s = timed(px.transfer_params, source, abstract, alignment.mapping, inputs=tokens, verify=False)
+    # The verification px.port runs: px.compare of the aligned layers (and the outputs).
+    comparison, verify_s = timed(px.compare, source, ported, tokens, alignment=alignment)
+    _, compare_ct_s = timed(px.compare, source, ported, tokens, alignment=alignment, cotangents=True)
+    (_, port_comparison), port_s = timed(px.port, source, abstract, tokens)
+    assert comparison.first_divergence is None and port_comparison.first_divergence is None
+    model = f"linen LM -> NNX, {params:,} params ({s.layers} layers, d {s.dim}, vocab {s.vocab})"
+    per_50m = 0.5 * params / 50e6
+    return [
+        Row("port", "transfer without verification / 0.5 s per 50M params", model, fmt(transfer_s),
+            fmt(per_50m), transfer_s / per_50m, 1.0,
+            why=f"align {fmt(align_s)}; {len(alignment.mapping)} layers"),
+        Row("port", "verification (px.compare) / raw first-call forward of both models", model, fmt(verify_s),
+            fmt(forward), verify_s / forward, 1.2, why=f"the whole px.port {fmt(port_s)}"),
+        Row("port", "px.compare with cotangents / raw first-call gradient of both models", model,
+            fmt(compare_ct_s), fmt(gradient), compare_ct_s / gradient, 1.2),
+    ]
 
 
 def table(rows):
@@ -1117,7 +1290,8 @@ def header(budget, wall, quick):
         f"after each, batch {S.mlp_batch}; transformer = {S.blocks} pre-LN blocks (LayerNorm, "
         f"the library's attention with {S.heads} heads on d {S.dim}, LayerNorm, Linear "
         f"{S.dim} -> {4 * S.dim}, gelu, Linear {4 * S.dim} -> {S.dim}, residuals) on {S.batch} "
-        f"sequences of {S.seq}; tiny = one Linear 4 -> 4 on one example. Attention: "
+        f"sequences of {S.seq}; tiny = one Linear 4 -> 4 on one example; Equinox MLP "
+        f"{min(NARROW, S.width)} = the MLP at width {min(NARROW, S.width)} (statistics rows only). Attention: "
         "`eqx.nn.MultiheadAttention`, `hk.MultiHeadAttention`, `nnx.MultiHeadAttention`, "
         "`nn.MultiHeadDotProductAttention`. Equinox models are per-example, run under "
         "`jax.vmap` inside the jitted function; their layers are depth-1 attributes "
@@ -1149,7 +1323,8 @@ def header(budget, wall, quick):
         "near-zero, 40-bin histogram; per-example Equinox models under "
         "`jax.vmap(axis_name='batch')` with the histogram's `axis_name='batch'`, pooled "
         "by `px.pool_stats`), or the same statistics without the histogram, against the "
-        "step on the unhooked model; every 10 = " + EVERY_TEN_TEXT + ", against ten "
+        f"step on the unhooked model; also on the Equinox MLP of width {min(NARROW, S.width)} "
+        "(its smaller step shows the statistics' per-layer fixed cost); every 10 = " + EVERY_TEN_TEXT + ", against ten "
         "plain steps. Memory = "
         "bytes of the statistics one transformer forward returns, from `jax.eval_shape`.\n\n"
         "Compile: first call (lower, XLA compile, run of `eqx.filter_jit` of the model "
@@ -1159,6 +1334,7 @@ def header(budget, wall, quick):
         f"and backend start-up excluded, compilation cache off), median of "
         f"{budget.first_call_reps} per variant, "
         + ("all processes at once (a smoke run).\n\n" if quick else "variants alternating.\n\n")
+        + PORT_TEXT
         + "Regenerate with `make bench` (`--quick` for a smoke test).\n"
     )
 
@@ -1209,6 +1385,12 @@ def run(budget):
             diffs[f"{library} MLP", variant] = max_abs_diff(ten_outputs[variant], ten_outputs["10 plain steps"])
         medians |= ten_medians
         steady[library, "train"] = medians
+    steps, narrow = narrow_train_variants()
+    print(f"[{time.perf_counter() - start:4.0f} s] {narrow} training steps", file=sys.stderr)
+    medians, outputs, reps[narrow, "train"] = interleaved(steps, budget.train, budget.min_reps, budget.max_reps)
+    for variant in ("train stats", "train stats no hist"):
+        diffs[narrow, variant] = max_abs_diff(outputs[variant], outputs["train plain"])
+    steady[narrow, "train"] = medians
     print(f"[{time.perf_counter() - start:4.0f} s] first calls, memory", file=sys.stderr)
     for depth in COMPILE_DEPTHS:
         model, tokens = scanned_transformer(depth, S.dim, S.heads, S.batch, S.seq)
@@ -1235,8 +1417,12 @@ def main():
             rows += forward_rows(library, name, steady, flatten, sizes)
     for library in LIBRARIES:
         rows += train_rows(library, steady[library, "train"], sizes)
+    rows += [row for (model, group), medians in steady.items() if model.startswith("Equinox MLP ")
+             for row in narrow_rows(model, medians)]
     rows += memory_table_rows(memory) + compile_rows(first, sizes)
-    order = ("log-everything", "dispatch", "statistics", "compile")
+    print(f"[{time.perf_counter() - start:4.0f} s] port", file=sys.stderr)
+    rows += port_rows(PORT_QUICK if args.quick else PORT_FULL)
+    order = ("log-everything", "dispatch", "statistics", "compile", "port")
     rows.sort(key=lambda r: order.index(r.section))
     text = "\n\n".join([
         table(rows),

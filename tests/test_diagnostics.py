@@ -620,6 +620,36 @@ def test_pooling_the_steps_of_a_scan_inside_the_model_raises_while_tracing():
     np.testing.assert_array_equal(both.counts, counts)
 
 
+@pytest.mark.parametrize("value_range", [None, (-3.0, 3.0)])
+def test_histograms_of_a_scan_around_the_model_pool_exactly_or_not_at_all(value_range):
+    # A jax.lax.scan of the user's own around the model: no trace tells its axis from
+    # a vmap's, and each step bins over its own range. Pooled, the bins are compared:
+    # eagerly that raises, under jit the histogram is unusable (NaN edges, counts -1);
+    # over an explicit range the steps share the bins and pool exactly.
+    mlp = eqx.nn.MLP(4, 2, 8, depth=1, key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (3, 4)) * jnp.array([1.0, 3.0, 9.0])[:, None]
+    hooked = px.ForwardHook(mlp, log_fn=px.activation_stats(range=value_range))
+    log = jax.lax.scan(lambda carry, x: (carry, hooked(x)[1]), None, xs)[1]
+    raw = jax.lax.scan(lambda carry, x: (carry, px.ForwardHook(mlp, log_fn=px.IdentityLog())(x)[1]), None, xs)[1]
+    compiled = jax.jit(px.pool_stats)(log)
+    for path, values in raw.items():
+        values = np.asarray(values)
+        np.testing.assert_allclose(compiled[path]["mean"], values.mean(), rtol=1e-5, atol=1e-6)
+        hist = compiled[path]["hist"]
+        if value_range is None:
+            assert np.isnan(hist.edges).all() and (hist.counts == -1).all()
+            assert (hist.below, hist.above, hist.nan) == (-1, -1, -1)
+        else:
+            counts = np.histogram(values, 40, np.float32(value_range))[0]
+            np.testing.assert_array_equal(hist.counts, counts)
+            assert hist.below + hist.above == np.sum(np.abs(values) > 3)
+    if value_range is None:
+        # The packed log (pooled in one pass) and a plain dict of its statistics.
+        for unpooled in (log, dict(log)):
+            with pytest.raises(ValueError, match=r"layer 'layers\.0' have different bins.*jax\.lax\.scan.*range"):
+                px.pool_stats(unpooled)
+
+
 @pytest.mark.parametrize("bins, value_range", [(40, (0.0, 10.0)), (7, (-2.0, 3.0)), (3, (0.1, 0.7))])
 def test_histogram_matches_numpy_at_bin_edges(bins, value_range):
     # The range in the data's precision, as the histogram logs it.
