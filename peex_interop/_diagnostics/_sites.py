@@ -9,10 +9,11 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .._engine._context import HookContext, Site
+from .._engine._context import HookContext, InnerCall, Site
 from .._engine._hooking import hooking
+from .._engine._kinds import INNER_KINDS
 from .._engine._paths import AbstractConverted, check_model
-from .._engine._selection import Selection
+from .._engine._selection import Kind, Selection
 
 
 def parameter_counts(tree: Any) -> tuple[int, int]:
@@ -56,7 +57,8 @@ class SiteRow:
     - `key`: the log key: the path, or `path@n` for the layer's `n`-th repeated call.
     - `path`: the layer's dotted path (what `where=` matches).
     - `kind`: its kind (`px.KINDS`).
-    - `module_type`: the class name of the library's module (`Linear`, `Dense`, ...).
+    - `module_type`: the class name of the library's module (`Linear`, `Dense`, ...);
+        for a site inside a layer (`inner=True`), `InnerCall`.
     - `args`, `kwargs`: the call's arguments, arrays as `jax.ShapeDtypeStruct`.
     - `output`: the call's output, arrays as `jax.ShapeDtypeStruct`.
     - `trainable`, `non_trainable`: parameters of the layer, submodules included; of
@@ -112,16 +114,19 @@ class _SiteFinder:
     but `calls` (known at the end). Facts are recorded by key: a body that JAX traces
     twice gives the same keys again."""
 
-    selection = Selection()
     observes_values = False  # shapes, types and counts only: fine under any transform
 
-    def __init__(self):
+    def __init__(self, inner: bool = False):
         self.found: dict[str, dict[str, Any]] = {}
+        # Sites inside layers are selected where a selection names them: by kind.
+        self.selection = Selection(where=("**", Kind(INNER_KINDS))) if inner else Selection()
 
     def run_site(self, context: HookContext, site: Site) -> Any:
         output = site.call(*site.args, **site.kwargs)
+        if isinstance(site.module, InnerCall):
+            trainable, other = 0, 0  # a site inside a layer holds no parameters
         # Converted models count a layer's parameters during its call only.
-        if isinstance(site.owner, AbstractConverted) and site.owner is not site.module:
+        elif isinstance(site.owner, AbstractConverted) and site.owner is not site.module:
             trainable, other = site.owner.layer_parameter_counts(site.module)
         else:
             trainable, other = parameter_counts(site.module)
@@ -144,10 +149,10 @@ class _SiteFinder:
         return output
 
 
-def find_sites(model: Any, args: tuple, kwargs: dict, caller: str) -> tuple[SiteRow, ...]:
+def find_sites(model: Any, args: tuple, kwargs: dict, caller: str, inner: bool = False) -> tuple[SiteRow, ...]:
     """`px.sites`, refusing a model it cannot hook in the name of `caller`."""
     check_model(model, caller)
-    finder = _SiteFinder()
+    finder = _SiteFinder(inner)
 
     def run(model, args, kwargs):
         with hooking(model, finder) as context:
@@ -160,7 +165,7 @@ def find_sites(model: Any, args: tuple, kwargs: dict, caller: str) -> tuple[Site
     return tuple(SiteRow(**facts, calls=calls[facts["path"]]) for facts in finder.found.values())
 
 
-def sites(model: Any, *args: Any, **kwargs: Any) -> tuple[SiteRow, ...]:
+def sites(model: Any, *args: Any, inner: bool = False, **kwargs: Any) -> tuple[SiteRow, ...]:
     """Every call site that a hook can select, for these arguments, without running the
     model: path, kind, module type, input and output shapes and dtypes, parameters,
     repeated calls and stack length, found abstractly (`jax.eval_shape`).
@@ -175,9 +180,11 @@ def sites(model: Any, *args: Any, **kwargs: Any) -> tuple[SiteRow, ...]:
         `px.from_linen` or `px.from_function`. Anything else (an `nnx.Module`, a Haiku
         `hk.Transformed`) raises a `TypeError` that says how to convert it.
     - `*args`, `**kwargs`: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+    - `inner`: also list the sites inside layers (attention weights, functions named
+        with `px.function_sites`), which only selections naming them select.
 
     **Returns:**
 
     A tuple of `px.SiteRow`, one per call.
     """
-    return find_sites(model, args, kwargs, "px.sites")
+    return find_sites(model, args, kwargs, "px.sites", inner)

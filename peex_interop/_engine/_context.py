@@ -29,7 +29,15 @@ from jax._src.interpreters.batching import BatchTrace as _BatchTrace, BatchTrace
 from . import _harvest
 from ._errors import HookError, TransformError
 from ._paths import AbstractConverted, join, walk
-from ._selection import Selection, could_be_step, glob_to_regex, may_name_a_step, step_path, step_segments, steps_of
+from ._selection import (
+    Selection,
+    could_be_step,
+    glob_to_regex,
+    may_name_a_step,
+    step_path,
+    step_segments,
+    steps_of,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +81,17 @@ class Site:
         return step_path(self.path, [root for _, root in self.stacks], ["{i}"] * len(self.stacks))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class InnerCall:
+    """The `module` of a site inside a layer (`_inner_sites.py`): what `CallSite.
+    module_type` names and `px.sites` lists for it. `layer` is the library module of
+    the layer it runs in, `name` the site's last path segment, `kind` its kind."""
+
+    layer: Any
+    name: str
+    kind: str
+
+
 class CallSite(eqx.Module):
     """Where a hook or log runs: given to any hook or log that takes a second argument
     (`def hook(value, site): ...`).
@@ -81,7 +100,8 @@ class CallSite(eqx.Module):
     - `key`: its log key (`"blocks.attn@1"` for a second call, `"blocks.1.attn"` for
       one selected step).
     - `kind`: its library-independent kind (`px.KINDS`); `module_type`: the library's
-      class (`eqx.nn.Linear`, `hk.Linear`, `nnx.Linear`, ...).
+      class (`eqx.nn.Linear`, `hk.Linear`, `nnx.Linear`, ...), `px.InnerCall` for a
+      site inside a layer (`attn.weights`, `mlp.gelu`).
     - `call_index`: 0 for the layer's first call in this forward pass, 1 for the next...
     - `indices`, `lengths`: inside threaded `vmap`/`scan`/`map`/`fori_loop` bodies, the
       traced index (int32 scalar) and the size of each, outermost first (`()` outside).
@@ -260,7 +280,8 @@ class HookContext:
         # Whether mapped bodies must provide their traced index (hooks that take the
         # call site, one-step selections), or only name their axis (statistics that
         # pool over it).
-        self.needs_indices = getattr(policy, "needs_indices", False) or bool(self.selection.step_patterns())
+        self.reads_sites = getattr(policy, "needs_indices", False)
+        self.needs_indices = self.reads_sites or bool(self.selection.step_patterns())
         self.needs_axis_names = getattr(policy, "needs_axis_names", False)
         self.renames = self.selection.rename
         self.discovering = discovering
@@ -268,8 +289,8 @@ class HookContext:
         if not self._index(root):
             self.root = jtu.tree_unflatten(*reversed(jtu.tree_flatten(root)))
             self._index(self.root)
-        # (owner, local path, path, number of scopes open when the call began)
-        self.frames: list[tuple[Any, tuple[str, ...], str, int]] = []
+        # (owner, local path, path, number of scopes open when the call began, module)
+        self.frames: list[tuple[Any, tuple[str, ...], str, int, Any]] = []
         self.counts: dict[str, int] = {}
         # Paths called, and names/patterns that selected one step of a stack: a
         # pattern like `blocks.7.attn` is checked against them after the call.
@@ -401,21 +422,15 @@ class HookContext:
     def run(
         self, call: Callable[..., Any], owner: Any, local: tuple[str, ...], path: str, module: Any, *args, **kwargs
     ) -> Any:
-        self.frames.append((owner, local, path, len(self.scopes)))
+        self.frames.append((owner, local, path, len(self.scopes), module))
         try:
-            # Converted models know their library's classes; the rest are Equinox's.
-            converted = isinstance(owner, AbstractConverted) and owner is not module
-            kind = owner.layer_kind(module) if converted else self.native_kind(module)
+            kind = self._kind(owner, module)
             stacks = self._stacks()
             self.seen.add(path)
-            steps: Any = True
-            if not self.selection.selects(path, module, kind):
-                roots = [root for _, root in stacks]
-                lengths = [self.scopes[d].length or 0 for d, _ in stacks]
-                steps, matched = self.selection.step_selects(path, roots, lengths)
-                self.step_hits |= matched
-                if not steps:
-                    return call(*args, **kwargs)
+            steps, matched = self._steps_selected(path, module, kind, stacks)
+            self.step_hits |= matched
+            if not steps:
+                return call(*args, **kwargs)
             if self.observes_values:
                 self._check_carryable(path, steps is not True)
             # Any selected call (also in a body inside a deferred scope) makes its jit's
@@ -445,6 +460,34 @@ class HookContext:
                 one_step,
             )
             return self.policy.run_site(self, site)
+        finally:
+            self.frames.pop()
+
+    def _kind(self, owner: Any, module: Any) -> str:
+        if isinstance(module, InnerCall):
+            return module.kind
+        # Converted models know their library's classes; the rest are Equinox's.
+        converted = isinstance(owner, AbstractConverted) and owner is not module
+        return owner.layer_kind(module) if converted else self.native_kind(module)
+
+    def _steps_selected(self, path: str, module: Any, kind: str, stacks: list) -> tuple[Any, set[str]]:
+        """`True` if the call is selected, the steps of its stacks at which it is (a
+        one-step selection), or `[]`; and the names and patterns that named steps."""
+        # Sites inside layers are selected only where a selection names them.
+        selection = self.selection.inner if isinstance(module, InnerCall) else self.selection
+        if selection.selects(path, module, kind):
+            return True, set()
+        roots = [root for _, root in stacks]
+        lengths = [self.scopes[d].length or 0 for d, _ in stacks]
+        return selection.step_selects(path, roots, lengths)
+
+    def would_select(self, path: str, module: InnerCall) -> bool:
+        """Whether a site inside the running layer would be selected at some step: for
+        adapters that expose a value only when it is wanted (attention weights that a
+        fused implementation never forms)."""
+        self.frames.append((self.frames[-1][0], (), path, len(self.scopes), module))
+        try:
+            return bool(self._steps_selected(path, module, module.kind, self._stacks())[0])
         finally:
             self.frames.pop()
 
@@ -570,7 +613,9 @@ class HookContext:
             )
         if not self.carries():
             return
-        if self.needs_indices or one_step:
+        # A pattern that may name a step (`layers.0`) refuses only the calls it selects
+        # as a step: as a plain path it selects whole calls, which carry.
+        if self.reads_sites or one_step:
             where = transform_name() if self.in_foreign_trace() else "a jax.jit compiled before hooking began"
             raise TransformError(
                 f"cannot run the site-aware hooks of layer {path!r} (or select one step of "

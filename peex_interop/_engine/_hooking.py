@@ -8,6 +8,7 @@ import jax
 
 from .._adapters._equinox import class_patches, equinox_kind
 from . import _patching
+from ._attention import attention_patches
 from ._context import HookContext, Policy, entered
 from ._transforms import transform_patches
 
@@ -30,7 +31,7 @@ def hooking(
     undone on every exit path; the context is visible to this thread only.
     """
     context = HookContext(root, policy, probes, discovering, equinox_kind)
-    patches = class_patches(context.module_types) + transform_patches()
+    patches = class_patches(context.module_types) + transform_patches() + attention_patches()
     with _patching.patched(patches), entered(context) as active:
         # A static-facts pass (px.summary) records at trace time: never reuse its traces.
         key = tuple(c.selection if c.observes_values else object() for c in active)

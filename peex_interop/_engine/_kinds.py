@@ -8,8 +8,12 @@ from typing import Any
 
 KINDS = (
     "linear", "conv", "attention", "norm", "embedding", "dropout", "recurrent",
-    "pool", "activation", "container", "other",
+    "pool", "activation", "container", "other", "attention_weights", "function",
 )
+
+# Kinds of sites *inside* a layer (`_engine/_inner_sites.py`): attention weights, and
+# calls of functions named with `px.function_sites`.
+INNER_KINDS = ("attention_weights", "function")
 
 
 def kind_of(module: Any, table: dict[type, str]) -> str:

@@ -148,6 +148,15 @@ class Selection:
     def rename(self) -> dict[str, str]:
         return dict(self.renames)
 
+    @functools.cached_property  # asked at every site inside a layer while tracing
+    def inner(self) -> "Selection":
+        """The selection that sites inside layers are checked against: the exact names,
+        and the criteria that name such sites (`names_inner`); nothing if none does."""
+        where = None if self.where is None else tuple(c for c in self.where if names_inner(c))
+        if where is None and self.names is None:
+            where = ()
+        return dataclasses.replace(self, where=where)
+
     def selects(self, path: str, module: Any, layer_kind: str = "other") -> bool:
         if path == "":
             return False
@@ -187,19 +196,23 @@ class Selection:
         patterns = [*(self.names or ()), *(c for c in self.where or () if isinstance(c, str))]
         return [p for p in patterns if may_name_a_step(p)]
 
-    def validate(self, modules: dict[str, Any], model_name: str) -> None:
-        """Every name and pattern must match some layer: a typo must not silently log
+    def validate(self, modules: dict[str, Any], model_name: str, inner_names: Sequence[str] = ()) -> None:
+        """Every name and pattern must match some layer (or name a site inside one:
+        attention weights, or one of `inner_names`): a typo must not silently log
         nothing. Predicates cannot be checked ahead of the call."""
         paths = [path for path in modules if path]
+        inner = {ATTENTION_WEIGHTS, *inner_names}
         for source, _ in self.renames:
             if source not in modules or not source:
                 raise HookError(_no_match("rename= path", source, paths, model_name))
         for name in self.names or ():
-            if (name not in modules or not name) and not could_be_step(name, paths):
+            known = name in modules and name
+            if not (known or could_be_step(name, paths) or could_be_inner(name, paths, inner)):
                 raise HookError(_no_match("layer name", name, paths, model_name))
         for criterion in self.where or ():
             if isinstance(criterion, str):
-                if not any(glob_to_regex(criterion).match(p) for p in paths) and not could_be_step(criterion, paths):
+                matched = any(glob_to_regex(criterion).match(p) for p in paths)
+                if not (matched or could_be_step(criterion, paths) or could_be_inner(criterion, paths, inner)):
                     raise HookError(_no_match("where pattern", criterion, paths, model_name))
             elif isinstance(criterion, type):
                 known = [modules[p] for p in paths if modules[p] is not None]
@@ -213,6 +226,37 @@ class Selection:
                     )
             elif not (callable(criterion) or isinstance(criterion, (Kind, Not, AllOf))):
                 raise HookError(f"where= takes {_WHERE_TAKES}; got {criterion!r}")
+
+
+def names_inner(criterion: Any) -> bool:
+    """Whether a `where=` criterion names sites *inside* layers (attention weights, the
+    functions a layer calls) explicitly: a glob whose last segment is not only
+    wildcards (`**.weights`, `blocks.*.attn.weights`), a kind (`px.kind(
+    "attention_weights")`), or an `all_of` holding one. `where=None`, `"**"`, types,
+    predicates and `not_` select layers only, so that adding sites inside layers
+    leaves every existing selection's logs as they were."""
+    if isinstance(criterion, str):
+        return bool(criterion.rsplit(".", 1)[-1].strip("*?"))
+    if isinstance(criterion, Kind):
+        return True
+    if isinstance(criterion, AllOf):
+        return any(names_inner(c) for c in criterion.criteria)
+    return False
+
+
+# The last segment of every attention's weights site (`_inner_sites.py`).
+ATTENTION_WEIGHTS = "weights"
+
+
+def could_be_inner(pattern: str, paths: list[str], names: set[str]) -> bool:
+    """Whether a name or pattern may name a site inside a layer (`attn.weights`,
+    `**.gelu`): its last segment names one of the site names `names` and the rest
+    names a layer (`**` also the root). Such sites exist only during the call (checked
+    then)."""
+    rest, _, last = pattern.rpartition(".")
+    if not (rest and last.strip("*?") and any(glob_to_regex(last).match(name) for name in names)):
+        return False
+    return any(glob_to_regex(rest).match(p) for p in ["", *paths]) or could_be_step(rest, paths)
 
 
 def may_name_a_step(pattern: str) -> bool:

@@ -6,6 +6,7 @@ from typing import Any
 import equinox as eqx
 
 from .._engine._context import needs_indices
+from .._engine._function_sites import declared_sites
 from .._engine._paths import AbstractTransparent, check_model, module_paths, paths_known
 from .._engine._selection import Criterion, Selection, Where
 
@@ -54,5 +55,5 @@ def selection_fields(
     check_model(model, wrapper)
     selection = Selection.make(layer_names, where, rename)
     if paths_known(model):
-        selection.validate(module_paths(model), type(model).__name__)
+        selection.validate(module_paths(model), type(model).__name__, declared_sites(model))
     return selection
