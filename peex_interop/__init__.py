@@ -30,12 +30,14 @@ from ._diagnostics._summary import (
     summary as summary,
     total_params as total_params,
 )
-from ._engine._context import CallSite as CallSite
+from ._engine._context import CallSite as CallSite, InnerCall as InnerCall
 from ._engine._errors import (
     HookError as HookError,
     PeexInteropError as PeexInteropError,
+    PortError as PortError,
     TransformError as TransformError,
 )
+from ._engine._function_sites import FunctionSites as FunctionSites, function_sites as function_sites
 from ._engine._kinds import KINDS as KINDS
 from ._engine._paths import module_paths as module_paths
 from ._engine._selection import (
@@ -70,6 +72,7 @@ from ._migration._align import (
     align as align,
     compare as compare,
 )
+from ._migration._port import port as port
 from ._migration._rename import rename as rename
 from ._migration._transfer import transfer_params as transfer_params
 from ._optional import needs as _needs
@@ -132,6 +135,7 @@ __all__ = [
     "FunctionLayer",
     "FunctionLog",
     "FunctionModule",
+    "FunctionSites",
     "HaikuFunction",
     "HaikuModule",
     "Histogram",
@@ -140,6 +144,7 @@ __all__ = [
     "HookMap",
     "IdentityHook",
     "IdentityLog",
+    "InnerCall",
     "L2NormLog",
     "LinenModule",
     "LogMap",
@@ -152,6 +157,7 @@ __all__ = [
     "PackedLog",
     "Patched",
     "PeexInteropError",
+    "PortError",
     "Recorder",
     "SiteRow",
     "Stats",
@@ -169,6 +175,7 @@ __all__ = [
     "from_haiku",
     "from_linen",
     "from_nnx",
+    "function_sites",
     "haiku_function",
     "kind",
     "model_sizes",
@@ -177,6 +184,7 @@ __all__ = [
     "num_features",
     "patch",
     "pool_stats",
+    "port",
     "rename",
     "sites",
     "summary",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import equinox as eqx
+import flax.linen as nn
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -275,3 +276,149 @@ def test_transfer_of_embeddings_and_norms_in_every_direction():
         assert sorted(alignment.mapping) == ["embed", "norm"]
         port = px.transfer_params(source, models[b], alignment.mapping)
         np.testing.assert_allclose(port(tokens), transformed.apply(params, tokens), rtol=1e-5, atol=1e-5)
+
+
+# -- state beyond parameters: a position index and batch statistics over decode steps --
+POSITION_TABLE = np.random.default_rng(7).standard_normal((8, 6)).astype(np.float32)
+
+
+class HaikuPositions(hk.Module):
+    def __call__(self, x):
+        index = hk.get_state("cache_index", (), jnp.int32, init=jnp.zeros)
+        hk.set_state("cache_index", index + 1)
+        return x + jnp.asarray(POSITION_TABLE)[index]
+
+
+def haiku_step(token, training=False):
+    x = HaikuPositions(name="positions")(hk.Embed(11, 6, name="embed")(token))
+    x = hk.BatchNorm(True, True, 0.9, eps=1e-5, name="bn")(x, is_training=training)
+    return hk.Linear(5, name="out")(x)
+
+
+class NnxPositions(nnx.Module):
+    def __init__(self):
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def __call__(self, x):
+        index = self.cache_index[...]
+        self.cache_index[...] = index + 1
+        return x + jnp.asarray(POSITION_TABLE)[index]
+
+
+class NnxStep(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(11, 6, rngs=rngs)
+        self.positions = NnxPositions()
+        self.bn = nnx.BatchNorm(6, epsilon=1e-5, use_running_average=True, rngs=rngs)
+        self.out = nnx.Linear(6, 5, rngs=rngs)
+
+    def __call__(self, token):
+        return self.out(self.bn(self.positions(self.embed(token))))
+
+
+def test_state_is_ported_and_compared_over_decode_steps():
+    transformed = hk.without_apply_rng(hk.transform_with_state(haiku_step))
+    token = jnp.array([3, 7])
+    params, state = jax.eval_shape(lambda key: transformed.init(key, token, True), jax.random.key(0))
+    params, state = random_like(params, 4), random_like(state, 5)
+    # Statistics a transfer that skipped them would show (a variance is positive).
+    state["bn/~/var_ema"] = {**state["bn/~/var_ema"], "average": jnp.abs(state["bn/~/var_ema"]["average"]) + 0.5}
+    src = px.from_haiku(transformed, params, state)
+    for t in (1, 4):  # two positions in
+        src = src.carried(src(jnp.array([t, t])))[1]
+    dst = px.from_nnx(nnx.eval_shape(lambda: NnxStep(nnx.Rngs(0))), return_state=True)
+    mapping = {**px.align(src, dst, token).mapping, "positions": "positions"}
+    assert mapping == {"embed": "embed", "bn": "bn", "out": "out", "positions": "positions"}
+    port = px.transfer_params(src, dst, mapping, inputs=token)
+    assert int(px.to_nnx(port).positions.cache_index.get_value()) == 2
+    tokens = [jnp.array([t, 10 - t]) for t in (2, 5, 9)]
+    comparison = px.compare(src, port, steps=tokens, cotangents=True)
+    assert comparison.first_divergence is None, comparison
+    assert [row.step for row in comparison.rows] == [0] * 3 + [1] * 3 + [2] * 3
+    assert all(row.cotangent_max_abs is not None for row in comparison.rows)
+    # Compared with the source one position behind, the port diverges from step 0 on,
+    # first after the position embedding.
+    behind = px.from_haiku(transformed, params, {**src.state, "positions": {"cache_index": jnp.array(1, jnp.int32)}})
+    first = px.compare(behind, port, steps=tokens, alignment=comparison.alignment).first_divergence
+    assert (first.step, first.path_a) == (0, "bn")
+    # And back into the Haiku model, built abstractly: its state filled too.
+    back = px.transfer_params(port, px.from_haiku(transformed, params, jax.eval_shape(lambda: state)),
+                              {b: a for a, b in mapping.items()}, inputs=token)
+    assert int(back.state["positions"]["cache_index"]) == 2
+    assert px.compare(port, back, steps=tokens).first_divergence is None
+
+
+def test_state_without_a_known_layout_is_refused_by_name():
+    def cached(x):
+        class Cache(hk.Module):
+            def __call__(self, x):
+                keys = hk.get_state("cached_key", (2, 4, 3), x.dtype, init=jnp.zeros)
+                hk.set_state("cached_key", keys)
+                return x
+
+        return hk.Linear(3, name="lin")(Cache(name="attention")(x))
+
+    transformed = hk.without_apply_rng(hk.transform_with_state(cached))
+    shapes = jax.eval_shape(transformed.init, jax.random.key(0), jnp.ones((2, 3)))
+    src = px.from_haiku(transformed, *random_like(shapes))
+    abstract = nnx.eval_shape(lambda: NnxStep(nnx.Rngs(0)))
+    with pytest.raises(px.HookError, match=r"'attention'.*state 'cached_key' \(2, 4, 3\) has no known layout"):
+        px.transfer_params(src, px.from_nnx(abstract), {"attention": "positions"})
+    # Several steps need models that carry their state.
+    stepping = hk.without_apply_rng(hk.transform_with_state(haiku_step))
+    token = jnp.array([3, 7])
+    stepping = px.from_haiku(stepping, *random_like(jax.eval_shape(lambda k: stepping.init(k, token, True),
+                                                                   jax.random.key(0))))
+    graphdef, variables = nnx.split(abstract)
+    with pytest.raises(px.HookError, match=r"drop their state updates.*return_state=True"):
+        px.compare(stepping, px.from_nnx(nnx.merge(graphdef, random_like(variables))), steps=[token])
+
+
+class LinenCachedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.MultiHeadDotProductAttention(num_heads=2, decode=True)(x), None
+
+
+class LinenCachedStack(nn.Module):
+    @nn.compact
+    def __call__(self, token):
+        scan = nn.scan(LinenCachedBlock, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                       length=2)
+        return nn.Dense(11)(scan(name="blocks")(nn.Embed(11, 8)(token), None)[0])
+
+
+class NnxCachedBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attention = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=True, rngs=rngs)
+        self.attention.init_cache((2, 6, 8))
+
+    def __call__(self, x):
+        return x + self.attention(x)
+
+
+class NnxCachedStack(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(11, 8, rngs=rngs)
+        self.blocks = nnx.vmap(lambda k: NnxCachedBlock(nnx.Rngs(k)))(jax.random.split(rngs.params(), 2))
+        self.logits = nnx.Linear(8, 11, rngs=rngs)
+
+    def __call__(self, token):
+        scan = nnx.scan(lambda x, block: (block(x), None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        return self.logits(scan(self.embed(token), self.blocks)[0])
+
+
+def test_scanned_decode_caches_are_ported_with_their_stack_axis():
+    # linen's nn.scan and NNX's vmap-built stack keep every cache (index included)
+    # stacked in front: (layers, batch, length, heads, head_dim) and (layers,).
+    shapes = jax.eval_shape(LinenCachedStack().init, jax.random.key(0), jnp.zeros((2, 6), jnp.int32))
+    assert shapes["cache"]["blocks"]["MultiHeadDotProductAttention_0"]["cache_index"].shape == (2,)
+    variables = {"params": random_like(shapes["params"]), "cache": jax.tree.map(jnp.zeros_like, shapes["cache"])}
+    src = px.from_linen(LinenCachedStack(), variables, mutable=["cache"])
+    src = src.carried(src(jnp.full((2, 1), 3)))[1]  # one position in
+    dst = px.from_nnx(nnx.eval_shape(lambda: NnxCachedStack(nnx.Rngs(0))), return_state=True)
+    tokens = [jnp.full((2, 1), t) for t in (5, 7)]
+    alignment = px.align(src, dst, tokens[0])
+    port = px.transfer_params(src, dst, alignment.mapping, inputs=tokens[0])
+    np.testing.assert_array_equal(px.to_nnx(port).blocks.attention.cache_index.get_value(), [1, 1])
+    assert px.compare(src, port, steps=tokens, alignment=alignment).first_divergence is None

@@ -14,8 +14,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from equinox.nn import _attention as eqx_attention  # its module globals: how MHA calls jax
 
-from .._engine import _context, _patching
+from .._engine import _context, _inner_sites, _patching
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, put_like, refuse
 from .._engine._paths import AbstractTransparent, children, join, walk
@@ -62,14 +63,58 @@ def _shared_call(original: Callable) -> Callable:
     return __call__
 
 
-def class_patches(types: Iterable[type]) -> list[tuple[type, str, Any]]:
+def _all_heads(vmap: Callable, keywords: dict, query_heads: Any, key_heads: Any, value_heads: Any, **kwargs) -> Any:
+    # Equinox's `dot_product_attention` of every head, as `MultiheadAttention` vmaps it
+    # (heads along axis 1; the keyword arguments of a vmapped call, along axis 0), with
+    # the weights of all heads formed at once: the site `<attention>.weights`.
+    mask = kwargs.get("mask", keywords.get("mask"))
+    dropout, inference, key = keywords.get("dropout"), keywords.get("inference"), kwargs.get("key")
+    weights_of = vmap(eqx_attention.dot_product_attention_weights, in_axes=(1, 1, 0 if "mask" in kwargs else None))
+    weights = _inner_sites.inner_site(*_inner_sites.WEIGHTS, weights_of, (query_heads, key_heads, mask), {})
+
+    def attend(weights: Any, value: Any, key: Any) -> Any:
+        if dropout is not None:
+            weights = dropout(weights, key=key, inference=inference)
+        return jnp.einsum("sS,Sd->sd", weights, value)
+
+    return vmap(attend, in_axes=(0, 1, 0), out_axes=1)(weights, value_heads, key)
+
+
+def _attention_jax(jax_module: Any) -> _inner_sites.ModuleView:
+    """What `jax` is to Equinox's attention code while hooking. `MultiheadAttention`
+    forms each head's weights inside `jax.vmap(dot_product_attention, in_axes=1,
+    out_axes=1)`; while its weights site is selected, that vmap runs as `_all_heads`,
+    so that the site is the weights of all heads, `(heads, q, k)`, as in every other
+    library. Code of another shape is run as it is (the site is then never reached,
+    and selecting it raises)."""
+    vmap = jax_module.vmap
+
+    def heads_vmap(fun: Callable, in_axes: Any = 0, out_axes: Any = 0, *args: Any, **kwargs: Any) -> Any:
+        per_head = isinstance(fun, functools.partial) and fun.func is eqx_attention.dot_product_attention
+        if (
+            per_head and in_axes == 1 and out_axes == 1 and not (args or kwargs)
+            and isinstance(_inner_sites.running_layer(), eqx.nn.MultiheadAttention)
+            and _inner_sites.wanted(*_inner_sites.WEIGHTS)
+        ):
+            return functools.partial(_all_heads, vmap, fun.keywords)
+        return vmap(fun, in_axes, out_axes, *args, **kwargs)
+
+    return _inner_sites.ModuleView(jax_module, vmap=heads_vmap)
+
+
+def class_patches(types: Iterable[type]) -> list[tuple[Any, str, Any]]:
     """Patch targets for the `__call__` of each module type (wrappers excluded: they are
-    transparent and run their own context)."""
+    transparent and run their own context), and for the attention weights site of
+    `eqx.nn.MultiheadAttention`."""
     # `eqx.nn.Shared` returns its tied layers, not activations: the layers it returns
     # are the call sites (named by their paths under it).
+    types = list(types)
     layers = [cls for cls in types if not issubclass(cls, (AbstractTransparent, eqx.nn.Shared))]
     shared = [cls for cls in types if issubclass(cls, eqx.nn.Shared)]
-    return _patching.call_patches(layers, _route) + _patching.method_patches(shared, "__call__", _shared_call)
+    patches = _patching.call_patches(layers, _route) + _patching.method_patches(shared, "__call__", _shared_call)
+    if any(issubclass(cls, eqx.nn.MultiheadAttention) for cls in types):
+        patches.append((eqx_attention, "jax", _attention_jax))
+    return patches
 
 
 # -- parameter layouts (px.transfer_params) ------------------------------------------

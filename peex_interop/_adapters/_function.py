@@ -22,9 +22,6 @@ parameters (its first argument holds no arrays, e.g. a dropout) is named
 import dataclasses
 import functools
 import inspect
-import sys
-import threading
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._engine import _context, _patching
+from .._engine._bindings import bindings
 from .._engine._errors import HookError
 from .._engine._kinds import KINDS
 from .._engine._layouts import Container, Layout, Param, axes, refuse
@@ -152,7 +150,7 @@ class FunctionModule(AbstractConverted):
             return self.fn(self.params, *args, **kwargs)
         call = _Call(self, {id(node): (path, node) for path, node in reversed(list(_nodes(self.params)))})
         functions = [function for function, _ in self.kinds]
-        targets = [(owner, name, _routed) for owner, name in _bindings(functions, self.fn)]
+        targets = [(owner, name, _routed) for owner, name in bindings(functions, self.fn)]
         with _patching.patched(targets):
             _calls().append(call)
             try:
@@ -270,61 +268,6 @@ def _first_parameter(function: Callable) -> str:
         return next(iter(inspect.signature(function).parameters))
     except (TypeError, ValueError, StopIteration):
         return "params"
-
-
-# -- where the layer functions are bound --------------------------------------------------
-class _Namespace:
-    """A globals dict that belongs to no module (code run with `exec`), patched like a
-    module: attribute access is access to the dict."""
-
-    def __init__(self, namespace: dict):
-        self.__dict__ = namespace
-
-
-# One proxy per dict, for ever: patches are counted per owner object, so overlapping
-# calls must patch a dict through the same proxy.
-_namespaces: dict[int, _Namespace] = {}
-_namespaces_lock = threading.Lock()
-
-
-def _owner(namespace: dict) -> Any:
-    name = namespace.get("__name__")
-    module = sys.modules.get(name) if isinstance(name, str) else None
-    if module is not None and vars(module) is namespace:
-        return module
-    with _namespaces_lock:
-        if id(namespace) not in _namespaces:
-            _namespaces[id(namespace)] = _Namespace(namespace)
-        return _namespaces[id(namespace)]
-
-
-def _bound(value: Any, wanted: set[int]) -> bool:
-    if id(value) in wanted:
-        return True
-    # A name another overlapping call has already replaced.
-    return (
-        type(value) is types.FunctionType
-        and _patching.ORIGINAL in vars(value)
-        and id(_patching.unwrap(value)) in wanted
-    )
-
-
-def _bindings(functions: Sequence[Callable], fn: Callable) -> list[tuple[Any, str]]:
-    """(owner, name) of every global name bound to one of `functions`, in every loaded
-    module and in the globals of `fn` (and of the functions it wraps)."""
-    wanted = {id(function) for function in functions}
-    namespaces = {id(vars(m)): vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")}
-    inner = fn
-    while inner is not None:
-        if isinstance(getattr(inner, "__globals__", None), dict):
-            namespaces.setdefault(id(inner.__globals__), inner.__globals__)
-        inner = getattr(inner, "__wrapped__", None)
-    found = []
-    for namespace in namespaces.values():
-        for name, value in list(namespace.items()):
-            if _bound(value, wanted):
-                found.append((_owner(namespace), name))
-    return sorted(found, key=lambda entry: (id(entry[0]), entry[1]))
 
 
 # -- parameter layouts (px.transfer_params) ------------------------------------------

@@ -6,6 +6,7 @@ interceptor hands every selected method call of every Haiku submodule to
 `_context.call_site`, with the Haiku module name turned into a dotted local path.
 """
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Callable, MutableMapping, Sequence
@@ -15,11 +16,14 @@ import equinox as eqx
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from haiku._src import base as hk_base  # the frames: Haiku's per-transform Python state
+from haiku._src import (
+    attention as hk_attention,  # its global `jax`: how MHA's softmax is called
+    base as hk_base,  # the frames: Haiku's per-transform Python state
+)
 from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_stack
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _shape_pass
+from .._engine import _context, _inner_sites, _patching, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, is_abstract, lax_transpose_padding, put_like, refuse
@@ -111,6 +115,14 @@ def _is_internal(module_name: str) -> bool:
     return _params_path(module_name) != haiku_path(module_name)
 
 
+def _attention_jax(jax_module: Any) -> _inner_sites.ModuleView:
+    """What `jax` is to Haiku's attention code while hooking: `hk.MultiHeadAttention`
+    computes its weights `(..., heads, q, k)` inline with `jax.nn.softmax`, which
+    becomes the site `<attention>.weights`."""
+    softmax = _inner_sites.routing(*_inner_sites.WEIGHTS)(jax_module.nn.softmax)
+    return _inner_sites.ModuleView(jax_module, nn=_inner_sites.ModuleView(jax_module.nn, softmax=softmax))
+
+
 class _AbstractHaiku(AbstractConverted):
     """Routes Haiku method calls made during `run` to the engine's call sites."""
 
@@ -119,7 +131,7 @@ class _AbstractHaiku(AbstractConverted):
     def _intercepted(self, run: Callable[[], Any]) -> Any:
         if not _context.active():
             return run()
-        with hk.intercept_methods(self._intercept):
+        with _patching.patched([(hk_attention, "jax", _attention_jax)]), hk.intercept_methods(self._intercept):
             return run()
 
     def _intercept(self, next_f, args, kwargs, context):
@@ -243,6 +255,15 @@ class HaikuModule(_AbstractHaiku):
     def with_state(self, state: PyTree) -> "HaikuModule":
         """The same model carrying `state` (e.g. the `new_state` a call returned)."""
         return replace(self, state=state)
+
+    def carried(self, returned: Any) -> tuple[Any, "HaikuModule"]:
+        """`(output, model)` from what a call of an `hk.transform_with_state` model
+        returned: the model holding its `new_state`, as `apply` with state is carried
+        forward."""
+        if not self.stateful:
+            raise HookError("this Haiku model has no state to carry (it is not from hk.transform_with_state)")
+        output, state = returned
+        return output, self.with_state(state)
 
     def with_rng(self, rng: PRNGKeyArray | None) -> "HaikuModule":
         """The same model using `rng` for its next calls (dropout, sampling)."""
@@ -421,7 +442,37 @@ _UNKNOWN_KIND = (
 )
 
 
+def _haiku_cache(state: dict, local: tuple[str, ...]) -> Layout | None:
+    """The module's own state (`hk.get_state`) as a `decode_cache` layout, or `None`
+    without any. Haiku keeps no decode cache of its own: the layout of keys and values
+    a module caches is its author's, so only a `cache_index` (a position) is
+    transferred, and other state is refused by name."""
+    key = _param_key(state, local)
+    if key is None:
+        return None
+    held = {}
+    for name, value in state[key].items():
+        if name != "cache_index":
+            raise refuse(
+                ".".join(local),
+                f"its state {name!r} {tuple(value.shape)} has no known layout: Haiku has no decode cache of its own, "
+                "and the axes of one a module keeps with hk.get_state are its author's (only a cache_index "
+                "is transferred)",
+            )
+        held[name] = Param(value, axes())
+    return Layout("decode_cache", held)
+
+
 def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
+    cache = _haiku_cache(state, local)
+    below = any(_params_path(key)[: len(local)] == local for key in params)
+    if cache is not None and not below:
+        return Container((), cache)  # a module with state only (a position embedding)
+    layout = _params_layout(params, state, local, modules)
+    return layout if cache is None else dataclasses.replace(layout, state=cache)
+
+
+def _params_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
     path = ".".join(local)
     module = modules.get(local)
     if isinstance(module, hk.LSTM):
@@ -500,9 +551,16 @@ def _haiku_write(params: dict, state: dict, local: tuple[str, ...], modules: dic
         kernel = jnp.concatenate([values["input_kernel"], values["hidden_kernel"]], axis=-2)
         new = {"w": kernel, **({"b": values["bias"]} if "bias" in values else {})}
         return {**params, key: _into(path, params[key], new)}, state
+    new_state = dict(state)
+    if "cache_index" in values:
+        held = _param_key(state, local)
+        assert held is not None  # _haiku_cache found it
+        new_state[held] = _into(path, state[held], {"cache_index": values["cache_index"]})
+    values = {name: value for name, value in values.items() if name != "cache_index"}
+    if not values:
+        return params, new_state
     key = _param_key(params, local)
     assert key is not None  # _haiku_layout found it
-    new_state = dict(state)
     for name in ("mean", "var"):
         if name in values:
             ema = f"{key}/~/{name}_ema"

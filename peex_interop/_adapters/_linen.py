@@ -24,11 +24,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.core import axes_scan
-from flax.linen import module as linen_module  # its `_context`: the modules being called
+from flax.linen import (
+    attention as linen_attention,  # its globals: how attention_fn gets its weights
+    module as linen_module,  # its `_context`: the modules being called
+)
 from flax.linen.spmd import logical_to_mesh_sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _patching, _shape_pass
+from .._engine import _context, _inner_sites, _patching, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse
@@ -37,6 +40,11 @@ from ._nnx import flax_transpose_spec
 from ._replace import replace
 
 Path = tuple[str, ...]
+
+# Linen's `dot_product_attention` (the default `attention_fn` of
+# `MultiHeadDotProductAttention` and `SelfAttention`, decode mode included) forms the
+# weights `(..., heads, q, k)` with its module's `dot_product_attention_weights`.
+_WEIGHTS = (linen_attention, "dot_product_attention_weights", _inner_sites.routing(*_inner_sites.WEIGHTS))
 
 LINEN_KINDS: dict[type, str] = {
     nn.Dense: "linear",
@@ -141,7 +149,7 @@ class LinenModule(AbstractConverted):
             return apply()
         state = _Interception(self)
         with (
-            _patching.patched([(axes_scan, "scan", _scan_with_silent_prepass)]),
+            _patching.patched([(axes_scan, "scan", _scan_with_silent_prepass), _WEIGHTS]),
             nn.intercept_methods(state.intercept),
         ):
             return apply()
@@ -159,6 +167,18 @@ class LinenModule(AbstractConverted):
         A copy whose other collections are unchanged.
         """
         return replace(self, variables={**self.variables, **_plain(updates)})
+
+    def carried(self, returned: Any) -> tuple[Any, "LinenModule"]:
+        """`(output, model)` from what a call with `mutable` returned: the model holding
+        the call's `updates` (a decode cache one position on), as
+        `apply(..., mutable=["cache"])` is carried forward."""
+        if not self.mutable:
+            raise HookError(
+                "this linen model's calls return no state updates: convert it with "
+                "px.from_linen(module, variables, mutable=['cache']) (the collections its calls update)"
+            )
+        output, updates = returned
+        return output, self.with_variables(updates)
 
     def with_rngs(self, rngs: Mapping[str, PRNGKeyArray] | None) -> "LinenModule":
         """The same model with other rngs for its next calls (e.g. a new dropout key per
@@ -198,7 +218,12 @@ class LinenModule(AbstractConverted):
         """The parameters (and BatchNorm statistics) of the submodule at `local` in
         named axes (`_engine/_layouts.py`); `modules` (local path -> the linen module
         seen during a call) tells what the variables alone do not (a module's class)."""
-        return _linen_layout(_unboxed(self.variables), local, modules or {})
+        return self.read_layers([local], modules)[local]
+
+    def read_layers(self, locals_: list[Path], modules: dict | None = None) -> dict[Path, Layout | Container]:
+        """`read_layer` of several submodules, the variables unboxed once."""
+        unboxed = _unboxed(self.variables)
+        return {local: _linen_layout(unboxed, local, modules or {}) for local in locals_}
 
     def detached(self, module: nn.Module) -> nn.Module:
         """An unbound copy of a bound linen module (its submodule attributes too): its
@@ -209,15 +234,24 @@ class LinenModule(AbstractConverted):
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`: new
         dicts along the way, the user's variables are never mutated; a variable in a
         metadata box (`nn.Partitioned`) stays in a box with the same metadata."""
-        spec = _linen_spec(_unboxed(self.variables), local, modules or {})[1]
+        return self.write_layers({local: values}, modules)
+
+    def write_layers(self, values: dict[Path, dict[str, Any]], modules: dict | None = None) -> "LinenModule":
+        """`write_layer` of several submodules (local path -> values), the variables
+        unboxed once."""
+        unboxed = _unboxed(self.variables)
         variables = self.variables
-        for name, value in values.items():
-            locations = spec[name][0]
-            parts = [value] if len(locations) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(locations))]
-            for (collection, relative), part in zip(locations, parts):
-                where = (collection, *local, *relative)
-                written = _written(".".join(local), _node(variables, where), part)
-                variables = _replaced(variables, where, written)
+        for local, layer_values in values.items():
+            spec = _cache_spec(unboxed, local, modules or {})
+            if set(layer_values) - set(spec):
+                spec = {**spec, **_linen_spec(unboxed, local, modules or {})[1]}
+            for name, value in layer_values.items():
+                locations = spec[name][0]
+                parts = [value] if len(locations) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(locations))]
+                for (collection, relative), part in zip(locations, parts):
+                    where = (collection, *local, *relative)
+                    written = _written(".".join(local), _node(variables, where), part)
+                    variables = _replaced(variables, where, written)
         return eqx.tree_at(lambda m: m.variables, self, variables)
 
 
@@ -355,22 +389,34 @@ def _linen_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> tup
     raise refuse(path, f"no known parameter layout for linen variables {sorted(own)}")
 
 
-def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> Layout | Container:
+def _cache_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> Spec:
+    """The layer's variables in the `cache` collection: the decode cache of
+    `nn.MultiHeadDotProductAttention(decode=True)` (keys and values (*batch, length,
+    heads, head_dim)) and any module's `cache_index` (a position embedding's, as
+    the Flax lm1b model keeps it); another cache's layout is its author's."""
     path = ".".join(local)
+    module = modules.get(local)
     params = _node(variables.get("params", {}), local)
-    if not isinstance(params, Mapping):
-        if local in modules:
-            # A module without variables (nn.RNN, nn.Sequential): linen creates the
-            # layers it wraps in its parent's scope, so they are not below it.
-            return Container(())
-        raise HookError(
-            f"transfer_params: no linen module with parameters at {path!r} (modules "
-            "without variables, such as nn.RNN, are known from a call: pass inputs=)"
-        )
-    cell = isinstance(modules.get(local), nn.RNNCellBase) or set(params) in (_LSTM_NAMES, _GRU_NAMES)
-    if not _own(params) and not cell:
-        return Container(tuple(".".join(p) for p in _subtree_paths(params) if _own(_node(params, p))))
-    kind, spec, orders, facts = _linen_spec(variables, local, modules)
+    # Without a call, the names tell: linen's attention always names its projections so.
+    attention = isinstance(module, nn.MultiHeadDotProductAttention) or (
+        module is None and isinstance(params, Mapping) and {*_ATTENTION_INPUTS, "out"} <= set(params)
+    )
+    spec = {}
+    for name, value in _own(_node(variables.get("cache", {}), local)).items():
+        if name == "cache_index":
+            spec[name] = ((("cache", (name,)),), axes())
+        elif name in ("cached_key", "cached_value") and attention:
+            spec[name] = ((("cache", (name,)),), axes("length", "heads", "head_dim"))
+        else:
+            raise refuse(
+                path,
+                f"its cache variable {name!r} {tuple(value.shape)} has no known layout (only "
+                "MultiHeadDotProductAttention's decode cache and cache_index variables are transferred)",
+            )
+    return spec
+
+
+def _values(variables: Mapping[str, Any], local: Path, spec: Spec) -> dict[str, Any]:
     values = {}
     for name, (locations, ax) in spec.items():
         found = [_node(variables.get(collection, {}), (*local, *relative)) for collection, relative in locations]
@@ -379,7 +425,29 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
         else:
             # Several variables (one per gate) form one parameter along a gate axis.
             values[name] = placed(found[0] if len(found) == 1 else jnp.stack(found, axis=-2), ax)
-    return Layout(kind, values, {}, orders, facts)
+    return values
+
+
+def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> Layout | Container:
+    path = ".".join(local)
+    params = _node(variables.get("params", {}), local)
+    cache = _cache_spec(variables, local, modules)
+    state = Layout("decode_cache", _values(variables, local, cache)) if cache else None
+    if not isinstance(params, Mapping):
+        if local in modules or state is not None:
+            # A module without parameters: with a cache only (a position embedding), or
+            # without variables (nn.RNN, nn.Sequential: linen creates the layers it
+            # wraps in its parent's scope, so they are not below it).
+            return Container((), state)
+        raise HookError(
+            f"transfer_params: no linen module with parameters at {path!r} (modules "
+            "without variables, such as nn.RNN, are known from a call: pass inputs=)"
+        )
+    cell = isinstance(modules.get(local), nn.RNNCellBase) or set(params) in (_LSTM_NAMES, _GRU_NAMES)
+    if not _own(params) and not cell:
+        return Container(tuple(".".join(p) for p in _subtree_paths(params) if _own(_node(params, p))), state)
+    kind, spec, orders, facts = _linen_spec(variables, local, modules)
+    return Layout(kind, _values(variables, local, spec), {}, orders, facts, state)
 
 
 # -- metadata boxes ------------------------------------------------------------------

@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from flax import nnx
+from flax.nnx.nn import attention as nnx_attention  # its globals: how attention_fn gets its weights
 from flax.nnx.spmd import get_var_pspec
 from jaxtyping import PyTree
 
-from .._engine import _context, _patching
+from .._engine import _context, _inner_sites, _patching
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
@@ -47,6 +48,12 @@ from .._engine._layouts import (
 from .._engine._paths import AbstractConverted
 
 Path = tuple[str, ...]
+
+# NNX's `dot_product_attention` (the default `attention_fn` of `MultiHeadAttention`)
+# forms the weights `(..., heads, q, k)` with its module's
+# `dot_product_attention_weights` when it has dropout or sows them, else it calls
+# `jax.nn.dot_product_attention` (whose weights site is the engine's, `_attention.py`).
+_WEIGHTS = (nnx_attention, "dot_product_attention_weights", _inner_sites.routing(*_inner_sites.WEIGHTS))
 
 NNX_KINDS: dict[type, str] = {
     nnx.Linear: "linear",
@@ -136,7 +143,15 @@ class NnxModule(AbstractConverted):
         """The parameters (and BatchNorm statistics) of the submodule at `local`, in
         named axes (`_engine/_layouts.py`). NNX modules exist outside calls: `modules`
         adds nothing."""
-        return _nnx_layout(self._merged(), local)
+        return self.read_layers([local])[local]
+
+    def read_layers(self, locals_: list[Path], modules: dict | None = None) -> dict[Path, Layout | Container]:
+        """`read_layer` of several submodules, from one merged module."""
+        found = dict(_paths(self._merged()))
+        return {local: _nnx_layout(found, local) for local in locals_}
+
+    # NNX modules exist outside calls: their classes and settings are in the graph.
+    layouts_need_calls = False
 
     def detached(self, module: nnx.Module) -> None:
         """`None`: `read_layer` reads the NNX modules themselves, and a module seen
@@ -145,9 +160,27 @@ class NnxModule(AbstractConverted):
 
     def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "NnxModule":
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`."""
+        return self.write_layers({local: values})
+
+    def write_layers(self, values: dict[Path, dict[str, Any]], modules: dict | None = None) -> "NnxModule":
+        """`write_layer` of several submodules (local path -> values), into one merged
+        module split once: merging and splitting walk the whole graph."""
         module = self._merged()
-        _nnx_write(module, local, values)
+        found = dict(_paths(module))
+        for local, layer_values in values.items():
+            _nnx_write(found, local, layer_values)
         return self._updated(module)
+
+    def carried(self, returned: Any) -> tuple[Any, "NnxModule"]:
+        """`(output, model)` from what a call with `return_state=True` returned: the
+        model holding the variables the call left (a decode cache one position on), as
+        a live NNX module carries them in place."""
+        if not self.return_state:
+            raise HookError(
+                "this NNX model's calls drop their state updates: convert it with "
+                "px.from_nnx(module, return_state=True)"
+            )
+        return returned
 
     def train(self, **attributes: Any) -> "NnxModule":
         """The NNX `module.train()`, functionally.
@@ -358,7 +391,7 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
     call = _Call(owner, root, {id(module): path for path, module in paths})
     calls = _calls.items
     types = {type(module) for _, module in paths}
-    with _patching.patched(_patching.call_patches(types, _route)):
+    with _patching.patched([*_patching.call_patches(types, _route), _WEIGHTS]):
         calls.append(call)
         try:
             yield
@@ -474,25 +507,50 @@ def _value(layer: nnx.Module, attributes: tuple[str, ...]) -> Any:
     return values[0] if len(values) == 1 else jnp.stack(values, axis=-2)
 
 
-def _find(root: nnx.Module, local: Path) -> tuple[nnx.Module, nnx.Module | None]:
-    modules = dict(_paths(root))
+def _find(modules: dict[Path, nnx.Module], local: Path) -> tuple[nnx.Module, nnx.Module | None]:
     layer = modules.get(local)
     if layer is None:
         raise HookError(f"transfer_params: no NNX submodule at {'.'.join(local)!r}")
     return layer, modules.get(local[:-1]) if local else None
 
 
-def _nnx_layout(root: nnx.Module, local: Path) -> Layout | Container:
+def _cache_spec(layer: nnx.Module, path: str) -> dict:
+    """{name: (attributes, axes)} of the layer's `nnx.Cache` variables: the decode cache
+    of `nnx.MultiHeadAttention` (`init_cache`: keys and values (*batch, length,
+    kv_heads, head_dim)) and any layer's `cache_index` (a position embedding's,
+    as the Flax lm1b model keeps it); another cache's layout is its author's."""
+    spec = {}
+    for name, value in vars(layer).items():
+        if not isinstance(value, nnx.Cache):
+            continue
+        if name == "cache_index":
+            spec[name] = ((name,), axes())
+        elif name in ("cached_key", "cached_value") and isinstance(layer, nnx.MultiHeadAttention):
+            spec[name] = ((name,), axes("length", "heads", "head_dim"))
+        else:
+            raise refuse(
+                path,
+                f"its nnx.Cache {name!r} {tuple(value.get_value().shape)} has no known layout (only "
+                "MultiHeadAttention's decode cache and cache_index variables are transferred)",
+            )
+    return spec
+
+
+def _nnx_layout(modules: dict[Path, nnx.Module], local: Path) -> Layout | Container:
     path = ".".join(local)
-    layer, parent = _find(root, local)
-    own = [name for name, value in vars(layer).items() if isinstance(value, nnx.Variable)]
+    layer, parent = _find(modules, local)
+    cache = _cache_spec(layer, path)
+    state = None
+    if cache:
+        state = Layout("decode_cache", {name: placed(_value(layer, a), ax) for name, (a, ax) in cache.items()})
+    own = [name for name, value in vars(layer).items() if isinstance(value, nnx.Variable) and name not in cache]
     if not own and not isinstance(layer, (nnx.LSTMCell, nnx.GRUCell)):
         parts = [".".join(p) for p, m in _paths(layer) if p and any(isinstance(v, nnx.Param) for v in vars(m).values())]
-        if parts:
-            return Container(tuple(parts))
+        if parts or state is not None:
+            return Container(tuple(parts), state)
     kind, spec, orders, facts = _nnx_spec(layer, parent, local[-1] if local else "", path)
     params = {name: placed(_value(layer, attributes), ax) for name, (attributes, ax) in spec.items()}
-    return Layout(kind, params, {}, orders, facts)
+    return Layout(kind, params, {}, orders, facts, state)
 
 
 def _declared_sharding(variable: nnx.Variable) -> Any:
@@ -511,12 +569,14 @@ def _declared_sharding(variable: nnx.Variable) -> Any:
     return None if mesh is None or spec is None else jax.sharding.NamedSharding(mesh, spec)
 
 
-def _nnx_write(root: nnx.Module, local: Path, values: dict[str, Any]) -> None:
+def _nnx_write(modules: dict[Path, nnx.Module], local: Path, values: dict[str, Any]) -> None:
     # Values go into the existing Variables: their type and metadata (sharding names,
     # rules, mesh) stay, and an abstract one becomes concrete.
     path = ".".join(local)
-    layer, parent = _find(root, local)
-    _, spec, _, _ = _nnx_spec(layer, parent, local[-1] if local else "", path)
+    layer, parent = _find(modules, local)
+    spec = _cache_spec(layer, path)
+    if set(values) - set(spec):
+        spec = {**spec, **_nnx_spec(layer, parent, local[-1] if local else "", path)[1]}
     for name, value in values.items():
         attributes = spec[name][0]
         parts = [value] if len(attributes) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(attributes))]

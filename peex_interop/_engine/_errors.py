@@ -14,3 +14,13 @@ class HookError(PeexInteropError, ValueError):
 class TransformError(PeexInteropError, RuntimeError):
     """Raised when a layer call runs under a JAX transform that the engine cannot thread
     its logs out of (it would otherwise leak a tracer or be silently dropped)."""
+
+
+class PortError(HookError):
+    """Raised by `px.port` when the ported model computes differently from its source: the
+    message names the first diverging layer and by how much, `comparison` holds the
+    whole layer-by-layer `px.Comparison` (print it)."""
+
+    def __init__(self, message: str, comparison: object = None):
+        super().__init__(message)
+        self.comparison = comparison

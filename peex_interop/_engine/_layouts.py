@@ -61,6 +61,15 @@ LAYOUT_KINDS: dict[str, dict[str, tuple[str, ...]]] = {
         "bias": ("gate", "hidden"),
         "recurrent_bias": ("hidden",),
     },
+    # State beyond parameters: an autoregressive decode cache, the keys and values of
+    # the positions decoded so far and the next position (a scalar); batch and stack
+    # axes lead, as a stack's do, and must match exactly. A layer without keys and values (a
+    # position embedding) keeps the index only.
+    "decode_cache": {
+        "cached_key": ("length", "heads", "head_dim"),
+        "cached_value": ("length", "heads", "head_dim"),
+        "cache_index": (),
+    },
 }
 
 
@@ -109,14 +118,18 @@ class Layout:
     sizes: dict[str, int] = dataclasses.field(default_factory=dict)
     orders: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The layer's state beyond parameters (a `decode_cache` layout), or `None`.
+    state: "Layout | None" = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Container:
     """A layer with no parameters of its own (an attention block, a Sequential): its
-    parameters are in the layers at `parts` (paths relative to it)."""
+    parameters are in the layers at `parts` (paths relative to it). It may still hold
+    state (`state`: an attention block's decode cache, a position embedding's index)."""
 
     parts: tuple[str, ...]
+    state: Layout | None = None
 
 
 def refuse(path: str, reason: str) -> HookError:
@@ -299,6 +312,29 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
     return values
 
 
+def fit_state(path: str, source: Layout | None, target: Layout | None) -> dict[str, Any]:
+    """`{name: value}` for the destination layer's state (`Layout.state`,
+    `Container.state`), converted from the source's like parameters. Where the source
+    has none, the destination's starts afresh (zeros: an empty cache at position 0, as
+    the libraries initialise it); state the destination has no place for is an error
+    naming it: dropping it would make the port continue from another position."""
+    if source is None and target is None:
+        return {}
+    if target is None:
+        assert source is not None
+        held = sorted(name for name, p in source.params.items() if p.value is not None)
+        raise refuse(
+            path,
+            f"the source holds a decode cache ({', '.join(held)}) and the destination none: build the "
+            "destination in decode mode with its cache (NNX `init_cache`, linen `decode=True`), or port the "
+            "parameters only from the source without its cache (linen variables without the `cache` collection, "
+            "an NNX model before `init_cache`)",
+        )
+    if source is None:
+        return {name: _zero(path, name, p, target) for name, p in target.params.items() if p.value is not None}
+    return fit(path, source, target)
+
+
 def _zero(path: str, name: str, dst: Param, target: Layout) -> Any:
     # A layer without this parameter behaves as one whose used value is 0: what the
     # destination stores is 0 minus what it adds.
@@ -351,7 +387,12 @@ def put_like(path: str, value: Any, current: Any, declared: Any = None) -> Any:
         sharding = current.sharding if current.committed else None
     if sharding is None:
         return value
-    return jax.device_put(value, _concrete(path, sharding))
+    sharding = _concrete(path, sharding)
+    try:
+        return jax.device_put(value, sharding)
+    except ValueError as error:  # jax's IndivisibleError: the library would not create it either
+        declared = f"the destination declares the sharding {sharding} for an array of shape {tuple(value.shape)}"
+        raise refuse(path, f"{declared}: {error}") from error
 
 
 def _concrete(path: str, sharding: Any) -> Any:

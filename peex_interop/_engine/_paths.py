@@ -2,10 +2,12 @@
 
 import abc
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.tree_util as jtu
+
+from ._errors import HookError
 
 
 class AbstractTransparent(eqx.Module):
@@ -64,6 +66,46 @@ class AbstractConverted(eqx.Module):
     ) -> "AbstractConverted":
         """A copy with the layer at `local` holding `values`: `_layouts.fit`'s output,
         already in this layer's own axes."""
+
+    # Whether `read_layer` learns from a call what the stored parameters do not tell
+    # (`modules`, `detached`): where it does not, a transfer does not run the model.
+    layouts_need_calls: ClassVar[bool] = True
+
+    def read_layers(
+        self, locals_: list[tuple[str, ...]], modules: dict | None = None
+    ) -> dict[tuple[str, ...], Any]:
+        """`read_layer` of several layers: an adapter that rebuilds its library's model
+        to read a layer reads them all from one."""
+        return {local: self.read_layer(local, modules) for local in locals_}
+
+    def write_layers(
+        self, values: dict[tuple[str, ...], dict[str, Any]], modules: dict | None = None
+    ) -> "AbstractConverted":
+        """`write_layer` of several layers (local path -> values): an adapter that
+        rebuilds its library's model to write a layer writes them all into one."""
+        model = self
+        for local, layer_values in values.items():
+            model = model.write_layer(local, layer_values, modules)
+        return model
+
+    def carried(self, returned: Any) -> tuple[Any, "AbstractConverted"]:
+        """What a call returned, as the call's output and this model carrying the state
+        the call left (a decode cache one position on), as its library carries state
+        from one call to the next: `px.compare(..., steps=)` runs models so.
+
+        **Arguments:**
+
+        - `returned`: what calling this model returned.
+
+        **Returns:**
+
+        `(output, model)`. A model that carries no state raises an error saying how to
+        convert it so that it does.
+        """
+        raise HookError(
+            f"{type(self).__name__} carries no state from one call to the next: convert the model so that its "
+            "calls return their state updates"
+        )
 
     def detached(self, module: Any) -> Any:
         """One of the library's modules seen during an abstract call, as `read_layer`'s

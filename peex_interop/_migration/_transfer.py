@@ -7,6 +7,9 @@ by name and size; the destination's adapter writes them. Given example inputs, t
 result is then compared with the source layer by layer, and a disagreement raises an
 error naming the first diverging layer instead of returning a wrong model.
 
+State beyond parameters (decode caches, position indices) is a layer's `state` layout,
+converted by `_layouts.fit_state` and written with the parameters.
+
 Values are read through each library's metadata boxes (linen's `nn.Partitioned`) and
 written into the destination's own variables and boxes, which keep their metadata; each
 array is placed with the destination's sharding (`_layouts.put_like`). A destination
@@ -25,7 +28,7 @@ from .._adapters._equinox import equinox_layout, equinox_write
 from .._engine._context import HookContext, Site
 from .._engine._errors import HookError
 from .._engine._hooking import hooking
-from .._engine._layouts import Container, Layout, fit, is_abstract, refuse
+from .._engine._layouts import Container, Layout, fit, fit_state, is_abstract, refuse
 from .._engine._paths import AbstractConverted, join, key_name, walk
 from .._engine._selection import Selection
 from ._align import _REPEAT, Alignment, compare
@@ -96,6 +99,8 @@ class _Side:
     held: bool = False
     # Built with `eval_shape`, in whole or in part: read for shapes only.
     abstract: bool = False
+    # (model, its modules by path), walked once for every layer located in it.
+    walked: tuple[Any, dict[str, Any]] | None = None
 
     @classmethod
     def make(cls, model: Any, state: Any, inputs: tuple | None) -> "_Side":
@@ -106,15 +111,20 @@ class _Side:
         return cls(model, state, {}, False, abstract).with_modules(inputs)
 
     def with_modules(self, inputs: tuple | None) -> "_Side":
-        # Only converted models keep facts outside their layers' objects.
-        converted = any(isinstance(node, AbstractConverted) for _, node in walk(self.model))
+        # Only converted models keep facts outside their layers' objects, and not all.
+        converted = any(
+            isinstance(node, AbstractConverted) and node.layouts_need_calls for _, node in walk(self.model)
+        )
         self.modules = _called_modules(self.model, inputs) if inputs is not None and converted else {}
         return self
 
     def locate(self, path: str) -> tuple[str, Any, tuple[str, ...], Any, str | None]:
         """(prefix, node, local, parent, field): the Equinox layer at `path` (local
         `()`, with the module holding it), or the converted model holding it."""
-        nodes = {join(*key_path): node for key_path, node in walk(self.model) if isinstance(node, eqx.Module)}
+        if self.walked is None or self.walked[0] is not self.model:
+            found = {join(*key_path): node for key_path, node in walk(self.model) if isinstance(node, eqx.Module)}
+            self.walked = (self.model, found)
+        nodes = self.walked[1]
         for prefix, node in nodes.items():
             if isinstance(node, AbstractConverted) and (not prefix or path.startswith(prefix + ".")):
                 return prefix, node, tuple(path.removeprefix(prefix).lstrip(".").split(".")), None, None
@@ -132,27 +142,46 @@ class _Side:
             tuple(p[len(prefix) + 1 :].split(".")): m for p, m in self.modules.items() if p.startswith(prefix + ".")
         }
 
-    def read(self, path: str) -> Any:
-        """The `Layout` (or `Container`) of the layer at `path`; of an abstract model,
-        with `jax.ShapeDtypeStruct` values."""
-        return _read_abstractly(self, path) if self.abstract else self._read(path)
+    def read(self, paths: list[str]) -> dict[str, Layout | Container]:
+        """The `Layout` (or `Container`) of the layer at each of `paths`; of an abstract
+        model, with `jax.ShapeDtypeStruct` values."""
+        return _read_abstractly(self, paths) if self.abstract else self._read(paths)
 
-    def _read(self, path: str) -> Any:
-        prefix, node, local, parent, field = self.locate(path)
-        if local:
-            return node.read_layer(local, self.local_modules(prefix))
-        return equinox_layout(node, path, parent, field, self.state)
+    def _read(self, paths: list[str]) -> dict[str, Layout | Container]:
+        layouts, converted = {}, {}
+        for path in paths:
+            prefix, node, local, parent, field = self.locate(path)
+            if local:
+                converted.setdefault(prefix, (node, {}))[1][local] = path
+            else:
+                layouts[path] = equinox_layout(node, path, parent, field, self.state)
+        # A converted model reads its layers together: its adapter may rebuild the
+        # library's whole model for a read.
+        for prefix, (node, paths_of) in converted.items():
+            read = node.read_layers(list(paths_of), self.local_modules(prefix))
+            layouts.update({paths_of[local]: layout for local, layout in read.items()})
+        return {path: layouts[path] for path in paths}
 
-    def write(self, path: str, values: dict[str, Any]) -> None:
-        prefix, node, local, parent, field = self.locate(path)
-        if local:
-            new = node.write_layer(local, values, self.local_modules(prefix))
-        else:
-            new, state = equinox_write(node, path, values, parent, field, self.state)
+    def write(self, values: dict[str, dict[str, Any]]) -> None:
+        """Write `values` (layer path -> `fit`'s values) into the model, each converted
+        model's layers in one write."""
+        converted: dict[str, dict[tuple[str, ...], dict[str, Any]]] = {}
+        for path, layer_values in values.items():
+            prefix, node, local, parent, field = self.locate(path)
+            if local:
+                converted.setdefault(prefix, {})[local] = layer_values
+                continue
+            new, state = equinox_write(node, path, layer_values, parent, field, self.state)
             if state is not self.state:
                 if self.held:
                     self.model = eqx.tree_at(lambda m: _states(m)[0], self.model, state)
                 self.state = state
+            self._replace(prefix, node, new)
+        for prefix, layers in converted.items():
+            node = self.locate(join(prefix, ".".join(next(iter(layers)))))[1]
+            self._replace(prefix, node, node.write_layers(layers, self.local_modules(prefix)))
+
+    def _replace(self, prefix: str, node: Any, new: Any) -> None:
         if node is self.model:
             self.model = new
         else:
@@ -163,22 +192,58 @@ class _Side:
             )
 
 
-def _read_abstractly(side: _Side, path: str) -> Layout | Container:
+def _read_abstractly(side: _Side, paths: list[str]) -> dict[str, Layout | Container]:
     # On tracers every adapter's reading works as on arrays (an LSTM's kernel sliced
-    # into its gates, gates stacked): only the shapes and dtypes come back.
-    layouts = []
+    # into its gates, gates stacked): only the shapes and dtypes come back. One shape
+    # pass reads every layer: each pass flattens and traces the whole model.
+    read_layouts = []
 
-    def read(model: Any, state: Any) -> dict[str, Any]:
-        layout = dataclasses.replace(side, model=model, state=state)._read(path)
-        layouts.append(layout)
-        return {} if isinstance(layout, Container) else {name: p.value for name, p in layout.params.items()}
+    def values(layout: Layout | None) -> dict[str, Any]:
+        return {} if layout is None else {name: p.value for name, p in layout.params.items()}
 
-    values = _shape_only(read, side.model, side.state)
-    layout = layouts[0]
-    if isinstance(layout, Container):
-        return layout
-    params = {name: dataclasses.replace(p, value=values[name]) for name, p in layout.params.items()}
-    return dataclasses.replace(layout, params=params)
+    def read(model: Any, state: Any) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+        layouts = dataclasses.replace(side, model=model, state=state)._read(paths)
+        read_layouts.append(layouts)
+        return {
+            path: (values(None if isinstance(layout, Container) else layout), values(layout.state))
+            for path, layout in layouts.items()
+        }
+
+    def filled(layout: Layout | None, shapes: dict[str, Any]) -> Any:
+        if layout is None:
+            return None
+        params = {name: dataclasses.replace(p, value=shapes[name]) for name, p in layout.params.items()}
+        return dataclasses.replace(layout, params=params)
+
+    shapes = _shape_only(read, side.model, side.state)
+    filled_layouts = {}
+    for path, layout in read_layouts[0].items():
+        params, state = shapes[path]
+        if isinstance(layout, Container):
+            filled_layouts[path] = dataclasses.replace(layout, state=filled(layout.state, state))
+        else:
+            filled_layouts[path] = dataclasses.replace(filled(layout, params), state=filled(layout.state, state))
+    return filled_layouts
+
+
+def state_only(model: Any, paths: list[str]) -> list[str]:
+    """The layers among `paths` that hold state and no parameters (a position
+    embedding's decode index): of no layer kind `px.align` matches, `px.port` carries
+    them by path."""
+    side = _Side.make(model, None, None)
+    found = []
+    for path in paths:
+        # Read as stored, not in a shape pass: a layer without parameters has nothing
+        # to slice or stack, and an abstract one reads as its `ShapeDtypeStruct`s.
+        try:
+            layout = side._read([path])[path]
+        except HookError:
+            # A layer no adapter reads (an activation, a dropout with its RNG streams)
+            # holds nothing a transfer carries.
+            continue
+        if isinstance(layout, Container) and not layout.parts and layout.state is not None:
+            found.append(path)
+    return found
 
 
 def _unfilled(model: Any, state: Any) -> list[str]:
@@ -188,7 +253,9 @@ def _unfilled(model: Any, state: Any) -> list[str]:
 
 
 def _check_source(path: str, layout: Layout | Container) -> None:
-    if isinstance(layout, Layout) and any(is_abstract(p.value) for p in layout.params.values()):
+    held = [] if isinstance(layout, Container) else list(layout.params.values())
+    held += [] if layout.state is None else list(layout.state.params.values())
+    if any(is_abstract(p.value) for p in held):
         raise refuse(path, "the source is abstract (built with eval_shape): it holds no values to copy")
 
 
@@ -198,10 +265,13 @@ def _check_filled(target: _Side) -> None:
     unfilled = _unfilled(target.model, target.state)
     if unfilled:
         shown = ", ".join(unfilled[:8]) + (f" and {len(unfilled) - 8} more" if len(unfilled) > 8 else "")
+        positions = any("cache_index" in path.split(".") for path in unfilled)
         raise HookError(
             f"transfer_params: the destination is abstract and the mapping leaves {len(unfilled)} of its arrays "
             f"without a value: {shown}. Map the layers holding them, or give them values before the transfer "
             "(a library's RNG state is not transferred: a port has no source for it)."
+            + (" A module without parameters holding a decode position (a position embedding's cache_index) is "
+               "no layer px.align matches: map it by its path (px.port does)." if positions else "")
         )
 
 
@@ -228,14 +298,18 @@ def transfer_params(
     src_state: eqx.nn.State | None = None,
     dst_state: eqx.nn.State | None = None,
 ) -> Any:
-    """Copy the weights (and BatchNorm statistics) of aligned layers from one model into
-    another, across libraries, exactly or not at all.
+    """Copy the weights (and BatchNorm statistics, decode caches) of aligned layers from
+    one model into another, across libraries, exactly or not at all.
 
     Every parameter is converted by its named axes (in, out, heads, head_dim, window,
     gates, stack), never reshaped by size: a layer whose layout cannot be matched raises
     an error naming it and the reason. Layers without parameters of their own
     (attention blocks, Sequential/MLP wrappers) are accepted when the mapping covers
-    their parts, as `px.align`'s mapping does.
+    their parts, as `px.align`'s mapping does. An attention layer's decode cache (linen's
+    `cache` collection, NNX's `nnx.Cache`s after `init_cache`) and a position
+    index (`cache_index`, Haiku state too) go with their layer, by named axes; a
+    destination's cache the source lacks starts afresh, and a cache the destination
+    cannot hold, or of unknown layout, is an error naming it.
 
     **Arguments:**
 
@@ -265,15 +339,21 @@ def transfer_params(
     inputs = None if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
     source = _Side.make(src, src_state, inputs)
     target = _Side.make(dst, dst_state, inputs)
+    # Repeated calls (`path@n`) name their layer once.
     written: dict[str, str] = {}
     for path_src, path_dst in mapping.items():
         path_src, path_dst = _REPEAT.sub("", path_src), _REPEAT.sub("", path_dst)
         if written.setdefault(path_dst, path_src) != path_src:
             raise refuse(path_dst, f"the mapping gives it two sources, {written[path_dst]!r} and {path_src!r}")
-        layout_src, layout_dst = source.read(path_src), target.read(path_dst)
+    layouts_src = source.read(list(dict.fromkeys(written.values())))
+    layouts_dst = target.read(list(written))
+    values_by_path = {}
+    for path_dst, path_src in written.items():
+        layout_src, layout_dst = layouts_src[path_src], layouts_dst[path_dst]
         _check_source(path_src, layout_src)
         if isinstance(layout_src, Container) and isinstance(layout_dst, Container):
             _check_parts(path_src, path_dst, layout_src, layout_dst, mapping)
+            values = {}
         elif isinstance(layout_src, Container) or isinstance(layout_dst, Container):
             what = lambda layout: "a container" if isinstance(layout, Container) else f"a {layout.kind} layer"  # noqa: E731
             raise refuse(
@@ -282,7 +362,12 @@ def transfer_params(
                 "(a Haiku module's class is only known from a call: pass inputs=)",
             )
         else:
-            target.write(path_dst, fit(path_dst, layout_src, layout_dst))
+            values = fit(path_dst, layout_src, layout_dst)
+        # A decode cache's names are no parameter's: one write takes both.
+        values.update(fit_state(path_dst, layout_src.state, layout_dst.state))
+        if values:
+            values_by_path[path_dst] = values
+    target.write(values_by_path)
     if target.abstract:
         _check_filled(target)
     if inputs is not None and verify:
