@@ -354,14 +354,42 @@ def _haiku_attention_stack(x):
     return px.from_haiku(transformed, params), value_of_step_1_zeroed
 
 
-@pytest.mark.parametrize("library", ["nnx", "haiku"])
+def _linen_attention_stack(x):
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=D, name="attn")(h), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=STEPS)
+            return scan(name="blocks")(h, None)[0]
+
+    module = Stack()
+    variables = module.init(jax.random.key(0), x)
+
+    def value_of_step_1_zeroed():
+        value = jax.tree.map(lambda a: a.at[1].set(0), variables["params"]["blocks"]["attn"]["value"])
+        blocks = {**variables["params"]["blocks"], "attn": {**variables["params"]["blocks"]["attn"], "value": value}}
+        return px.from_linen(module, {"params": {"blocks": blocks}})
+
+    return px.from_linen(module, variables), value_of_step_1_zeroed
+
+
+STACKS = {"nnx": lambda x: _nnx_attention_stack(), "haiku": _haiku_attention_stack, "linen": _linen_attention_stack}
+
+
+@pytest.mark.parametrize("library", list(STACKS))
 def test_one_step_of_a_library_stack(library, x):
     # One step's weights: the same as that step's row of every step's, and zeroed
     # there, the model with that step's value projection zeroed by hand (its attention
-    # then adds the output projection's bias alone, as with zero weights).
-    model, edited = _nnx_attention_stack() if library == "nnx" else _haiku_attention_stack(x)
-    every = {"nnx": "blocks.attn.weights", "haiku": "blocks.attn.weights"}[library]
-    one = {"nnx": "blocks.1.attn.weights", "haiku": "blocks.attn.1.weights"}[library]
+    # then adds the output projection's bias alone, as with zero weights). Also
+    # `**.weights` on linen, whose nn.scan traces its body once silently first.
+    model, edited = STACKS[library](x)
+    every = "blocks.attn.weights"
+    # Haiku's layer_stack names a step after the layer's own path (as for its layers).
+    one = "blocks.attn.1.weights" if library == "haiku" else "blocks.1.attn.weights"
     _, all_steps = jitted(px.ForwardHook(model, log_fn=px.IdentityLog(), where=every), x)
     assert all_steps[every].shape == (STEPS, B, H, T, T)
     hooked = px.ForwardHook(model, log_fn=px.IdentityLog(), hook_fn=lambda w: w * 0, where=one)
@@ -370,3 +398,5 @@ def test_one_step_of_a_library_stack(library, x):
     close(out, edited()(x))
     _, logged = jitted(px.ForwardHook(model, log_fn=px.IdentityLog(), where=one), x)
     close(logged[one], all_steps[every][1])
+    _, globbed = jitted(px.ForwardHook(model, log_fn=px.IdentityLog(), where="**.weights"), x)
+    assert list(globbed) == [every]

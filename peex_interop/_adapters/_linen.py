@@ -44,7 +44,18 @@ Path = tuple[str, ...]
 # Linen's `dot_product_attention` (the default `attention_fn` of
 # `MultiHeadDotProductAttention` and `SelfAttention`, decode mode included) forms the
 # weights `(..., heads, q, k)` with its module's `dot_product_attention_weights`.
-_WEIGHTS = (linen_attention, "dot_product_attention_weights", _inner_sites.routing(*_inner_sites.WEIGHTS))
+def _weights_site(original: Callable) -> Callable:
+    routed = _inner_sites.routing(*_inner_sites.WEIGHTS)(original)
+
+    def dot_product_attention_weights(*args: Any, **kwargs: Any) -> Any:
+        # In the silent pre-pass of an `nn.scan` no layer call is a site, so neither
+        # are the weights (they would be taken for a site of the layer around it).
+        return original(*args, **kwargs) if _silenced_in_thread.items else routed(*args, **kwargs)
+
+    return dot_product_attention_weights
+
+
+_WEIGHTS = (linen_attention, "dot_product_attention_weights", _weights_site)
 
 LINEN_KINDS: dict[type, str] = {
     nn.Dense: "linear",
