@@ -44,7 +44,6 @@ class FunctionSites(AbstractTransparent):
     model: PyTree
     functions: tuple[tuple[str, Callable], ...] = eqx.field(static=True)
 
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model, its calls of the functions routed to call sites while hooking.
 
