@@ -1,8 +1,12 @@
 """Small Equinox models shared by the tests, examples and benchmarks, and the tests'
 tolerance check."""
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -14,6 +18,29 @@ import numpy as np
 def close(a, b, tol=1e-5):
     """Assert `a` and `b` agree elementwise within `tol`, relative and absolute."""
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+@eqx.filter_jit
+def _called(model, *args):
+    return model(*args)
+
+
+def jitted(model, *args):
+    """`model(*args)` under `eqx.filter_jit` and `jax.checking_leaks()`."""
+    with jax.checking_leaks():
+        return _called(model, *args)
+
+
+def run_on_8_cpu_devices(script: str) -> list[str]:
+    """Run `script` in a fresh Python with 8 simulated CPU devices (XLA fixes the
+    device count at start-up), in the tests folder; assert that it succeeded and return
+    the lines it printed."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout.split("\n")[:-1]
 
 
 def while_hooked_elsewhere(hooked_call: Callable[[Callable], Any], plain_call: Callable[[], Any]) -> tuple:

@@ -18,20 +18,10 @@ import pytest
 from flax import nnx
 
 import peex_interop as px
-from models import close, tokens, transformer, while_hooked_elsewhere
+from models import close, jitted, tokens, transformer, while_hooked_elsewhere
 
 B, T, D, H = 2, 4, 8, 2
 HEAD = D // H
-
-
-@eqx.filter_jit
-def _call(hooked, *args):
-    return hooked(*args)
-
-
-def jitted(hooked, *args):
-    with jax.checking_leaks():
-        return _call(hooked, *args)
 
 
 def causal():

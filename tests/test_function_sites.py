@@ -18,20 +18,10 @@ from flax import nnx
 from jax.nn import gelu  # a module-global binding, reached like `jax.nn.gelu`
 
 import peex_interop as px
-from models import close
+from models import close, jitted
 from peex_interop._engine import _patching
 
 B, D, W = 3, 4, 8
-
-
-@eqx.filter_jit
-def _call(hooked, *args):
-    return hooked(*args)
-
-
-def jitted(hooked, *args):
-    with jax.checking_leaks():
-        return _call(hooked, *args)
 
 
 @dataclasses.dataclass

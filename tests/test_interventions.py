@@ -9,14 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
-from models import MLP, close, tokens, transformer
+from models import MLP, close, jitted, tokens, transformer
 
 W, STEPS = 3, 3
-
-
-def jitted(hooked, *args):
-    with jax.checking_leaks():
-        return eqx.filter_jit(lambda m, *a: m(*a))(hooked, *args)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ gradient with respect to `delta`.
 """
 
 import dataclasses
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 
@@ -23,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
-from models import close
+from models import close, run_on_8_cpu_devices
 
 STEPS = 3
 
@@ -283,13 +281,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
 
 
 def test_shard_map_on_8_simulated_devices():
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-c", SHARD_MAP_SCRIPT], capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, **env},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "shard_map ok" in result.stdout
+    assert "shard_map ok" in run_on_8_cpu_devices(SHARD_MAP_SCRIPT)
 
 
 class Attending(eqx.Module):

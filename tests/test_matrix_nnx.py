@@ -8,12 +8,8 @@ the submodules called directly, unhooked). See `matrix_check.py`.
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -25,6 +21,7 @@ from flax import nnx
 
 import peex_interop as px
 from matrix_check import MODES, check_refused, check_threaded, nested
+from models import run_on_8_cpu_devices
 
 W, STEPS, B = 3, 3, 2
 
@@ -353,10 +350,5 @@ SHARD_MAP = textwrap.dedent('''
 
 
 def test_shard_map_on_8_cpu_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", SHARD_MAP], cwd=Path(__file__).parent, env=env,
-        capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.split("\n")[:-1] == [f"{n} {m}" for n in ("around", "vmap_inside") for m in MODES]
+    lines = run_on_8_cpu_devices(SHARD_MAP)
+    assert lines == [f"{n} {m}" for n in ("around", "vmap_inside") for m in MODES]

@@ -12,11 +12,7 @@ names mapped by the rules; here `px.align` finds the layers and the shardings ar
 checked the same way."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -31,7 +27,7 @@ from flax import nnx
 from jax import lax
 
 import peex_interop as px
-from models import random_like
+from models import random_like, run_on_8_cpu_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,13 +456,8 @@ SHARDED = textwrap.dedent('''
 
 
 def test_lm1b_port_under_a_2x4_mesh_of_8_cpu_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", SHARDED], cwd=Path(__file__).parent, env=env,
-        capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run_on_8_cpu_devices(SHARDED)
     # The embedding, the final norm and logits (2 each); per block 2 norms and 2
     # Linears (2 each) and 4 attention kernels: every parameter checked.
     params = 1 + 2 + 2 + Config.layers * (4 + 4 + 4)
-    assert run.stdout.split("\n")[:-1] == [f"decode {params}", f"eval {params}", f"nnx -> linen {params}"]
+    assert lines == [f"decode {params}", f"eval {params}", f"nnx -> linen {params}"]

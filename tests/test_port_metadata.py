@@ -5,11 +5,7 @@ destination; destinations built with `nnx.eval_shape` / `jax.eval_shape(init)` a
 filled with concrete arrays, placed with the destination's shardings (checked on 8
 simulated CPU devices in a subprocess)."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 import peex_interop as px
-from models import random_like
+from models import random_like, run_on_8_cpu_devices
 
 VOCAB, D, MLP, HEADS = 13, 8, 16, 2
 # Logical axis -> mesh axis, as a training setup declares them (the Flax lm1b port's
@@ -417,12 +413,7 @@ SHARDED = textwrap.dedent('''
 
 
 def test_ports_carry_the_destination_shardings_on_8_cpu_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", SHARDED], cwd=Path(__file__).parent, env=env,
-        capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.split("\n")[:-1] == [
+    lines = run_on_8_cpu_devices(SHARDED)
+    assert lines == [
         "linen -> abstract nnx", "nnx -> abstract linen", "nnx -> linen", "zero bias", "nnx -> abstract haiku",
     ]
