@@ -74,13 +74,14 @@ _ONE_GROUP_PER_TEST = {"test_docs_and_examples.py"}
 
 
 def pytest_collection_modifyitems(config, items):
+    groups: dict[str, str] = {}
     sizes: dict[str, int] = {}
     for item in items:
         alone = item.path.name in _ONE_GROUP_PER_TEST
-        group = item.nodeid if alone else item.path.name
+        group = groups[item.nodeid] = item.nodeid if alone else item.path.name
         item.add_marker(pytest.mark.xdist_group(group))
         # A page's or an example's size in bytes stands in for its time; a file's, the
         # number of its tests.
         target = alone and (item.callspec.params.get("page") or item.callspec.params.get("example"))
         sizes[group] = Path(target).stat().st_size * 1000 if target else sizes.get(group, 0) + 1
-    items.sort(key=lambda item: -sizes[item.nodeid if item.path.name in _ONE_GROUP_PER_TEST else item.path.name])
+    items.sort(key=lambda item: -sizes[groups[item.nodeid]])
