@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import math
 import os
 import platform
@@ -1048,31 +1049,64 @@ PORT_TEXT = (
     "Port: a decoder-only LM in linen (default names; the Flax lm1b example's config in a "
     "full run: 6 layers, d 512, 8 heads, MLP 2048, vocab 30,000, 49.7M parameters; "
     "NumPy-drawn weights) ported to its NNX twin built by `nnx.eval_shape`, on 2 x 64 tokens "
-    "(`--quick`: a small one). Each stage is one call on empty caches (`jax.clear_caches()`), "
-    "as a port runs once: `px.transfer_params(..., verify=False)` against 0.5 s per 50M "
+    "(`--quick`: a small one). Each stage is timed on empty caches (`jax.clear_caches()`, "
+    "then a full garbage collection), as a port runs once: `px.transfer_params(..., "
+    "verify=False)` against 0.5 s per 50M "
     "parameters; `px.compare` with the alignment (what `px.port` verifies with), with and "
     "without cotangents, against one first call (trace, compile, run) of `jax.jit` of each "
     "model's forward (`module.apply`; the NNX twin's merge and call) and of its gradient "
-    "of `0.5 * sum(logits**2)`. `px.compare` compiles the hooked passes of both models as one "
+    "of `0.5 * sum(logits**2)`; each `px.compare` and its reference timed one after the other "
+    "in 5 rounds (which goes first alternating), the row the median of the rounds' ratios "
+    "(`--quick`: one round). `px.compare` compiles the hooked passes of both models as one "
     "program; with cotangents, one gradient pass per model, its forward log the pass's "
     "auxiliary output.\n\n"
 )
 
 
 def timed(fn, *args, **kwargs):
-    """`(result, seconds)` of one call on empty compilation caches: trace, compile, run."""
+    """`(result, seconds)` of one call on empty compilation caches: trace, compile, run.
+    A full garbage collection first, so that one collecting a large heap does not land
+    inside the call timed."""
     jax.clear_caches()
+    gc.collect()
     start = time.perf_counter()
     result = jax.block_until_ready(fn(*args, **kwargs))
     return result, time.perf_counter() - start
 
 
-def port_rows(s):
+# Each port stage runs once per port: first-call timings, one number per call, vary by
+# tens of percent on a loaded machine. A row's ratio is the median over this many rounds,
+# each round timing the stage and its reference one after the other.
+PORT_ROUNDS = 5
+
+
+def median_ratio(stage, reference, rounds):
+    """`(stage's result, median stage seconds, median reference seconds, median of the
+    per-round ratios)`: the stage and its reference (callables of no arguments, each
+    timed by `timed`) alternated over `rounds` rounds, which goes first alternating too."""
+    stage_s, reference_s, ratios = [], [], []
+    for i in range(rounds):
+        if i % 2:
+            reference_s.append(timed(reference)[1])
+        result, seconds = timed(stage)
+        stage_s.append(seconds)
+        if not i % 2:
+            reference_s.append(timed(reference)[1])
+        ratios.append(stage_s[-1] / reference_s[-1])
+    return result, statistics.median(stage_s), statistics.median(reference_s), statistics.median(ratios)
+
+
+def rounds_text(rounds):
+    return f"the median ratio of {rounds} alternated rounds" if rounds > 1 else "one round"
+
+
+def port_rows(s, rounds=PORT_ROUNDS):
     """The `px.port` rows: a linen LM ported into its abstract NNX twin. Every stage is
-    timed once on empty compilation caches, as a port runs once: align, transfer (no
+    timed on empty compilation caches, as a port runs once: align, transfer (no
     verification), the verification with and without cotangents, the whole port, and
     one raw first-call forward and gradient of each model (`jax.jit` of `module.apply`,
-    and of the NNX twin's merge and call)."""
+    and of the NNX twin's merge and call); the verification against its reference over
+    `rounds` alternated rounds (`median_ratio`)."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, s.vocab, (s.batch, s.seq)), jnp.int32)
     module = LinenPortLM(s)
     variables = random_like(jax.eval_shape(module.init, jax.random.key(0), tokens))
@@ -1084,15 +1118,21 @@ def port_rows(s):
     state = random_like(state)
     loss = lambda logits: 0.5 * jnp.sum(logits**2)
     raw_nnx = lambda state: nnx.merge(graphdef, state)(tokens)
-    forward = timed(jax.jit(module.apply), variables, tokens)[1] + timed(jax.jit(raw_nnx), state)[1]
-    gradient = timed(jax.jit(jax.grad(lambda v: loss(module.apply(v, tokens)))), variables)[1] + (
-        timed(jax.jit(jax.grad(lambda state: loss(raw_nnx(state)))), state)[1])
+
+    def forward():
+        return jax.jit(module.apply)(variables, tokens), jax.jit(raw_nnx)(state)
+
+    def gradient():
+        return (jax.jit(jax.grad(lambda v: loss(module.apply(v, tokens))))(variables),
+                jax.jit(jax.grad(lambda state: loss(raw_nnx(state))))(state))
 
     alignment, align_s = timed(px.align, source, abstract, tokens)
     ported, transfer_s = timed(px.transfer_params, source, abstract, alignment.mapping, inputs=tokens, verify=False)
     # The verification px.port runs: px.compare of the aligned layers (and the outputs).
-    comparison, verify_s = timed(px.compare, source, ported, tokens, alignment=alignment)
-    _, compare_ct_s = timed(px.compare, source, ported, tokens, alignment=alignment, cotangents=True)
+    comparison, verify_s, forward_s, verify_ratio = median_ratio(
+        partial(px.compare, source, ported, tokens, alignment=alignment), forward, rounds)
+    _, compare_ct_s, gradient_s, compare_ct_ratio = median_ratio(
+        partial(px.compare, source, ported, tokens, alignment=alignment, cotangents=True), gradient, rounds)
     (_, port_comparison), port_s = timed(px.port, source, abstract, tokens)
     assert comparison.first_divergence is None and port_comparison.first_divergence is None
     model = f"linen LM -> NNX, {params:,} params ({s.layers} layers, d {s.dim}, vocab {s.vocab})"
@@ -1102,9 +1142,9 @@ def port_rows(s):
             fmt(per_50m), transfer_s / per_50m, 1.0,
             why=f"align {fmt(align_s)}; {len(alignment.mapping)} layers"),
         Row("port", "verification (px.compare) / raw first-call forward of both models", model, fmt(verify_s),
-            fmt(forward), verify_s / forward, 1.2, why=f"the whole px.port {fmt(port_s)}"),
+            fmt(forward_s), verify_ratio, 1.2, why=f"the whole px.port {fmt(port_s)}; {rounds_text(rounds)}"),
         Row("port", "px.compare with cotangents / raw first-call gradient of both models", model,
-            fmt(compare_ct_s), fmt(gradient), compare_ct_s / gradient, 1.2),
+            fmt(compare_ct_s), fmt(gradient_s), compare_ct_ratio, 1.2, why=rounds_text(rounds)),
     ]
 
 
@@ -1421,7 +1461,7 @@ def main():
              for row in narrow_rows(model, medians)]
     rows += memory_table_rows(memory) + compile_rows(first, sizes)
     print(f"[{time.perf_counter() - start:4.0f} s] port", file=sys.stderr)
-    rows += port_rows(PORT_QUICK if args.quick else PORT_FULL)
+    rows += port_rows(PORT_QUICK, rounds=1) if args.quick else port_rows(PORT_FULL)
     order = ("log-everything", "dispatch", "statistics", "compile", "port")
     rows.sort(key=lambda r: order.index(r.section))
     text = "\n\n".join([

@@ -294,7 +294,9 @@ class NearZeroLog(_AbstractStatisticLog):
     """Fraction of values `<= threshold` (fastai's `near_zero`: after a ReLU, the share of
     (nearly) dead activations)."""
 
-    threshold: float = 0.05
+    # Static: it names the sum the statistics of a layer share (`_terms_of`), which a
+    # threshold traced by `jax.jit` (as an array leaf would be) could not.
+    threshold: float = eqx.field(static=True, default=0.05)
 
     def statistic(self, x: Array, sums: _Sums | None = None) -> _Average:
         return _Average((sums or _Sums(x, _terms_of(self))).fraction(self.threshold))
@@ -531,15 +533,16 @@ def _finite_range(x: Any, axis_names: tuple[Hashable, ...]) -> tuple[Any, Any]:
 def _estimated_bins(x: Any, low: Any, high: Any, bins: int) -> Any:
     """The bin of each value from its position in the range, then corrected against
     the edges (numpy's own fast path for equal bins): exact when the position is off
-    by at most one bin (`_estimates_exact`). jnp.histogram lowers to a binary search
-    plus a scatter-add; this and one bincount are ~2x faster on CPU."""
-    edge = functools.partial(_edges, low=low, high=high, bins=bins)
+    by less than half a bin (`_estimates_exact`). jnp.histogram lowers to a binary
+    search plus a scatter-add; this and one bincount are ~2x faster on CPU."""
     # In float32 at least: the position's own rounding is then negligible.
     wide = jnp.promote_types(x.dtype, jnp.float32)
     position = (x.astype(wide) - low.astype(wide)) / (high.astype(wide) - low.astype(wide)) * bins
-    index = jnp.clip(jnp.floor(position).astype(jnp.int32), 0, bins - 1)
-    index = index - (x < edge(index))
-    return index + ((x >= edge(index + 1)) & (index != bins - 1))
+    # Half a bin up, the estimate is the value's bin or the next one, never the one
+    # before: one edge to compare against instead of numpy's two (the estimate's and
+    # the next one's), ~10% of a histogram's cost on CPU.
+    index = jnp.clip(jnp.floor(position + 0.5).astype(jnp.int32), 0, bins - 1)
+    return index - (x < _edges(index, low, high, bins))
 
 
 def _searched_bins(x: Any, edges: Any, bins: int) -> Any:
@@ -559,7 +562,9 @@ def _searched_bins(x: Any, edges: Any, bins: int) -> Any:
 def _estimates_exact(edges: Any, low: Any, high: Any, bins: int) -> Any:
     """Whether `_estimated_bins` is exact for these edges: when every edge lies within
     half a bin of its place in the range (the values' positions, in float32 at least,
-    are off by far less), a value's estimate is at most one bin off. Not so when the
+    are off by far less), a value's position is less than half a bin before its bin's
+    lower edge or after its upper one, and half a bin up it is in its bin or the next
+    (the one comparison `_estimated_bins` makes tells them apart). Not so when the
     range spans few steps of the data's precision (near-constant float32 values,
     bfloat16 with many bins): edges repeat, and estimates miss by several bins."""
     wide = jnp.promote_types(edges.dtype, jnp.float32)
@@ -746,6 +751,35 @@ def _pooling_form(log: AbstractLog, kept: int = 0) -> Callable[[Any, _Sums], Any
     )
 
 
+class _Logs(Mapping):
+    """A `px.StatsLog`'s `{name: statistic log}`, hashable, so that it can be a static
+    field. The statistic logs hold no arrays; as pytree nodes each cost every call of a
+    compiled step a flatten and an unflatten of every copy of the hooked model's
+    structure it takes and returns (the model, the optimiser's moments): ~45 µs of a
+    12-layer MLP's training step on CPU."""
+
+    def __init__(self, logs: Mapping[str, AbstractLog]):
+        self._items = tuple(logs.items())
+
+    def __getitem__(self, name: str) -> AbstractLog:
+        for key, log in self._items:
+            if key == name:
+                return log
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __repr__(self) -> str:
+        return repr(dict(self._items))
+
+
 class StatsLog(AbstractLog):
     """Several statistics in one: `StatsLog({"mean": px.MeanLog(), "max": px.AbsMaxLog()})`
     logs a `px.Stats` for every layer, read as `log[layer]["mean"]`, `log[layer]["max"]`.
@@ -763,7 +797,7 @@ class StatsLog(AbstractLog):
         example or position there.
     """
 
-    logs: dict[str, AbstractLog]
+    logs: Mapping[str, AbstractLog] = eqx.field(static=True, converter=_Logs)
     pool: bool = eqx.field(static=True, default=True)
 
     def __check_init__(self):
