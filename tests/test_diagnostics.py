@@ -178,6 +178,18 @@ def test_stats_pool_the_vmaps_inside_the_model_and_keep_the_scanned_layers():
         np.testing.assert_array_equal(stats["hist"].counts, np.histogram(layer[position], stats["hist"].edges)[0])
 
 
+def test_statistics_run_under_plain_jax_jit_of_the_hooked_model():
+    # jax.jit traces every leaf of its arguments: a threshold or a statistic log held as
+    # a leaf became a tracer, and the statistics, which hash them, failed.
+    model = eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.Linear(4, 2, key=jax.random.key(1))])
+    x = jax.random.normal(jax.random.key(2), (3,))
+    _, log = jax.jit(lambda h, x: h(x))(px.ForwardHook(model, log_fn=px.activation_stats()), x)
+    _, raw = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    assert set(log) == set(raw) == {"layers.0", "layers.1"}
+    for path, values in raw.items():
+        assert_stats_of(log[path], values)
+
+
 class OneRow(eqx.Module):
     linear: eqx.nn.Linear
 
