@@ -7,6 +7,7 @@ pytest.importorskip("flax")  # skipped where the [flax] extra is not installed
 
 import html
 import math
+from typing import Any
 
 import equinox as eqx
 import haiku as hk
@@ -188,6 +189,15 @@ def test_statistics_run_under_plain_jax_jit_of_the_hooked_model():
     assert set(log) == set(raw) == {"layers.0", "layers.1"}
     for path, values in raw.items():
         assert_stats_of(log[path], values)
+
+
+class ScaledMean(px.MeanLog):
+    scale: Any = None
+
+
+def test_a_statistic_log_holding_arrays_is_refused_by_name():
+    with pytest.raises(TypeError, match="statistic log 'scaled' holds arrays"):
+        px.StatsLog({"scaled": ScaledMean(jnp.ones(()))})
 
 
 class OneRow(eqx.Module):

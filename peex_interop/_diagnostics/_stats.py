@@ -801,8 +801,12 @@ class StatsLog(AbstractLog):
     pool: bool = eqx.field(static=True, default=True)
 
     def __check_init__(self):
-        for log in self.logs.values():
+        for name, log in self.logs.items():
             _pooling_form(log)
+            # Static (`_Logs`): arrays there would be hashed into every compiled step's key.
+            if any(eqx.is_array(leaf) for leaf in jtu.tree_leaves(log)):
+                raise TypeError(f"StatsLog: the statistic log {name!r} holds arrays; a statistic's settings are "
+                                f"Python numbers, got {log!r}")
 
     @property
     def needs_indices(self) -> bool:
