@@ -12,7 +12,7 @@ from .._engine._errors import HookError, TransformError
 from .._engine._hooking import hooking
 from .._engine._selection import Where
 from .._engine._shape_pass import shape_only
-from ._hooks import AbstractHook, HookLike, IdentityHook, as_hook
+from ._hooks import AbstractHook, HookLike, as_hook
 from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields
 
@@ -54,7 +54,8 @@ class BackwardHook(AbstractHookWrapper):
     """
 
     model: PyTree
-    hook_fn: AbstractHook
+    # `None` for no hook, as `ForwardHook`'s.
+    hook_fn: AbstractHook | None
     log_fn: AbstractLog
     log: dict
     pre_hook: bool = eqx.field(static=True)
@@ -63,7 +64,7 @@ class BackwardHook(AbstractHookWrapper):
     def __init__(
         self,
         model: PyTree,
-        hook_fn: HookLike = IdentityHook(),
+        hook_fn: HookLike | None = None,
         log_fn: LogLike = NoneLog(),
         log: dict[str, Any] | None = None,
         pre_hook: bool = False,
@@ -77,7 +78,8 @@ class BackwardHook(AbstractHookWrapper):
         - `model`: the `eqx.Module` to hook (it is not modified).
         - `hook_fn`: applied to the cotangent of each selected layer's output (with
             `pre_hook=True`: of its positional inputs; `None` at integer leaves); must
-            keep structure, shapes and dtypes.
+            keep structure, shapes and dtypes. `None` (the default) leaves them
+            unchanged, as `px.IdentityHook()` does.
         - `log_fn`: applied to the hooked cotangent; the result, floating-point arrays
             (or `None`), is the gradient of the layer's `log` slot.
         - `log`: the slots; leave empty and call `.init(*args)`.
@@ -223,8 +225,10 @@ def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_f
         cotangent, value, is_leaf=lambda x: x is None,
     )
     try:
-        edited = call_with_site(hook_fn, cotangent, site)
-        check_same_shape(site.path, "hook_fn (backward)", cotangent, edited)
+        edited = cotangent
+        if hook_fn is not None:
+            edited = call_with_site(hook_fn, cotangent, site)
+            check_same_shape(site.path, "hook_fn (backward)", cotangent, edited)
         logged = call_with_site(log_fn, edited, site)
     except Exception as error:
         error.add_note(f"peex_interop: raised by the BackwardHook at layer {site.path!r}")

@@ -7,7 +7,7 @@ from jaxtyping import PyTree
 from .._engine._context import HookContext, Site
 from .._engine._hooking import hooking
 from .._engine._selection import Where
-from ._hooks import AbstractHook, HookLike, IdentityHook, as_hook
+from ._hooks import AbstractHook, HookLike, as_hook
 from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields
 
@@ -30,7 +30,10 @@ class ForwardHook(AbstractHookWrapper):
     """
 
     model: PyTree
-    hook_fn: AbstractHook
+    # `None` for no hook: a leaf-free module would be one more pytree node in every
+    # copy of the hooked model's structure (the model, gradients, optimiser moments)
+    # that a compiled step flattens and unflattens at every call.
+    hook_fn: AbstractHook | None
     log_fn: AbstractLog
     log: dict
     pre_hook: bool = eqx.field(static=True)
@@ -40,7 +43,7 @@ class ForwardHook(AbstractHookWrapper):
     def __init__(
         self,
         model: PyTree,
-        hook_fn: HookLike = IdentityHook(),
+        hook_fn: HookLike | None = None,
         log_fn: LogLike = NoneLog(),
         log: dict[str, Any] | None = None,
         pre_hook: bool = False,
@@ -56,6 +59,7 @@ class ForwardHook(AbstractHookWrapper):
         - `model`: the `eqx.Module` to hook (it is not modified).
         - `hook_fn`: applied to each selected layer's output (or, with `pre_hook=True`,
             to its positional `args` tuple); must keep structure, shapes and dtypes.
+            `None` (the default) leaves them unchanged, as `px.IdentityHook()` does.
         - `log_fn`: applied after `hook_fn`; its result is logged unless it is `None`.
         - `log`: entries to start the returned log with.
         - `pre_hook`: peex's switch: `hook_fn`/`log_fn` act on inputs instead.
@@ -111,10 +115,12 @@ class ForwardHook(AbstractHookWrapper):
             logged = context.apply(site, "pre_log_fn", self.pre_log_fn, (args, kwargs))
             context.record(site, f"{site.key}:in", logged)
         if self.pre_hook:
-            args = context.apply_hook(site, "hook_fn", self.hook_fn, args)
+            if self.hook_fn is not None:
+                args = context.apply_hook(site, "hook_fn", self.hook_fn, args)
             context.record(site, site.key, context.apply(site, "log_fn", self.log_fn, args))
             return site.call(*args, **kwargs)
         output = site.call(*args, **kwargs)
-        output = context.apply_hook(site, "hook_fn", self.hook_fn, output)
+        if self.hook_fn is not None:
+            output = context.apply_hook(site, "hook_fn", self.hook_fn, output)
         context.record(site, site.key, context.apply(site, "log_fn", self.log_fn, output))
         return output
