@@ -1,5 +1,7 @@
+import functools
 import gc
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -68,9 +70,19 @@ def frozen_heap(thawed_after_module):
 # Each docs page and each example is one long test (tens of seconds): run together in
 # one worker (xdist's `loadfile`), they made that worker the suite's critical path. Every
 # other file stays one group (its module fixtures built once); the long tests are groups
-# of their own, handed out first and the other files by decreasing size (what xdist's
-# own reordering does), so that the two workers finish together.
+# of their own. Groups are handed out by decreasing size, so that the two workers finish
+# together: a group's size is the bytes of the code it runs (a test file's, an example's,
+# a page's Python snippets), which tracks its time (correlation ~0.9 over the suite's
+# groups; a file's number of tests, used before, left one worker 30 s behind).
 _ONE_GROUP_PER_TEST = {"test_docs_and_examples.py"}
+
+
+@functools.cache
+def _code_bytes(path: Path) -> int:
+    text = path.read_text()
+    if path.suffix == ".md":
+        return sum(map(len, re.findall(r"```python\n(.*?)```", text, flags=re.S)))
+    return len(text)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,8 +92,6 @@ def pytest_collection_modifyitems(config, items):
         alone = item.path.name in _ONE_GROUP_PER_TEST
         group = groups[item.nodeid] = item.nodeid if alone else item.path.name
         item.add_marker(pytest.mark.xdist_group(group))
-        # A page's or an example's size in bytes stands in for its time; a file's, the
-        # number of its tests.
         target = alone and (item.callspec.params.get("page") or item.callspec.params.get("example"))
-        sizes[group] = Path(target).stat().st_size * 1000 if target else sizes.get(group, 0) + 1
+        sizes[group] = _code_bytes(Path(target) if target else item.path)
     items.sort(key=lambda item: -sizes[groups[item.nodeid]])
