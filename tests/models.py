@@ -31,6 +31,22 @@ def jitted(model, *args):
         return _called(model, *args)
 
 
+def nnx_scanned_stack(block: Callable[[Any], Any], steps: int, rngs: Any) -> Any:
+    """An NNX module of `steps` blocks (`block(rngs)` each, stacked by `nnx.vmap`) run
+    in turn by `nnx.scan` over `blocks`, the stacked attribute: NNX's own layout for a
+    stack of layers. (flax imported here: this module serves the Equinox-only tests.)"""
+    from flax import nnx
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.vmap(lambda key: block(nnx.Rngs(key)))(jax.random.split(rngs.params(), steps))
+
+        def __call__(self, x):
+            return nnx.scan(lambda c, m: m(c), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+
+    return Stack(rngs)
+
+
 def run_on_8_cpu_devices(script: str) -> list[str]:
     """Run `script` in a fresh Python with 8 simulated CPU devices (XLA fixes the
     device count at start-up), in the tests folder; assert that it succeeded and return

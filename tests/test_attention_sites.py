@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import peex_interop as px
-from models import close, jitted, tokens, transformer, while_hooked_elsewhere
+from models import close, jitted, nnx_scanned_stack, tokens, transformer, while_hooked_elsewhere
 
 B, T, D, H = 2, 4, 8, 2
 HEAD = D // H
@@ -308,14 +308,7 @@ def _nnx_attention_stack():
         def __call__(self, x):
             return x + self.attn(x)
 
-    class Stack(nnx.Module):
-        def __init__(self, rngs):
-            self.blocks = nnx.vmap(lambda key: Block(nnx.Rngs(key)))(jax.random.split(rngs.params(), STEPS))
-
-        def __call__(self, x):
-            return nnx.scan(lambda c, m: m(c), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
-
-    module = Stack(nnx.Rngs(0))
+    module = nnx_scanned_stack(Block, STEPS, nnx.Rngs(0))
     value = module.blocks.attn.value
 
     def value_of_step_1_zeroed():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
-from models import MLP, close, jitted, tokens, transformer
+from models import MLP, close, jitted, nnx_scanned_stack, tokens, transformer
 
 W, STEPS = 3, 3
 
@@ -183,14 +183,7 @@ def test_one_step_of_an_nnx_stack():
         def __call__(self, x):
             return jnp.tanh(self.lin(x))
 
-    class Stack(nnx.Module):
-        def __init__(self, rngs):
-            self.blocks = nnx.vmap(lambda key: Block(nnx.Rngs(key)))(jax.random.split(rngs.params(), STEPS))
-
-        def __call__(self, x):
-            return nnx.scan(lambda c, m: m(c), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
-
-    module = Stack(nnx.Rngs(0))
+    module = nnx_scanned_stack(Block, STEPS, nnx.Rngs(0))
     x = jnp.asarray([0.3, -0.2, 0.9])
     out, log = jitted(px.ForwardHook(px.from_nnx(module), hook_fn=lambda v: v + 1, log_fn=px.IdentityLog(),
                                      where="blocks.1.lin"), x)
