@@ -7,7 +7,7 @@ import equinox as eqx
 
 from .._engine._context import needs_indices
 from .._engine._function_sites import declared_sites
-from .._engine._paths import AbstractTransparent, check_model, module_paths, paths_known
+from .._engine._paths import AbstractTransparent, check_model, known_module_paths
 from .._engine._selection import Criterion, Selection, Where
 
 
@@ -54,6 +54,7 @@ def selection_fields(
     hashable tuples (they are static fields)."""
     check_model(model, wrapper)
     selection = Selection.make(layer_names, where, rename)
-    if paths_known(model):
-        selection.validate(module_paths(model), type(model).__name__, declared_sites(model))
+    modules = known_module_paths(model)
+    if modules is not None:
+        selection.validate(modules, type(model).__name__, declared_sites(model))
     return selection
