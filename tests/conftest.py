@@ -66,13 +66,34 @@ def frozen_heap():
 
 
 # Each docs page and each example is one long test (tens of seconds): run together in
-# one worker (xdist's `loadfile`), they made that worker the suite's critical path. Every
-# other file stays one group (its module fixtures built once); the long tests are groups
-# of their own. Groups are handed out by decreasing size, so that the two workers finish
+# one worker, they made that worker the suite's critical path. Every other file is one
+# group, run by one worker (its module fixtures built once); the long tests are groups of
+# their own. Groups are handed out by decreasing size, so that the two workers finish
 # together: a group's size is the bytes of the code it runs (a test file's, an example's,
 # a page's Python snippets), which tracks its time (correlation ~0.9 over the suite's
 # groups; a file's number of tests, used before, left one worker 30 s behind).
+#
+# The groups are xdist's scopes, given by a scheduler of our own: pytest 9.2 ids nodes
+# by a structured NodeId, so xdist 3.8's `xdist_group` markers (which rename
+# `item._nodeid`) no longer group anything, and every test was scheduled alone: a
+# file's module fixtures were built in both workers, the notebook's kernel twice.
 _ONE_GROUP_PER_TEST = {"test_docs_and_examples.py"}
+
+
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return nodeid if Path(path).name in _ONE_GROUP_PER_TEST else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
 
 
 @functools.cache
@@ -84,12 +105,11 @@ def _code_bytes(path: Path) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    groups: dict[str, str] = {}
     sizes: dict[str, int] = {}
     for item in items:
-        alone = item.path.name in _ONE_GROUP_PER_TEST
-        group = groups[item.nodeid] = item.nodeid if alone else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
-        target = alone and (item.callspec.params.get("page") or item.callspec.params.get("example"))
-        sizes[group] = _code_bytes(Path(target) if target else item.path)
-    items.sort(key=lambda item: -sizes[groups[item.nodeid]])
+        target = item.path.name in _ONE_GROUP_PER_TEST and (
+            item.callspec.params.get("page") or item.callspec.params.get("example")
+        )
+        sizes[item.nodeid] = _code_bytes(Path(target) if target else item.path)
+    # Stable: a file's tests stay in their order, one after the other.
+    items.sort(key=lambda item: -sizes[item.nodeid])
