@@ -177,29 +177,32 @@ def module_paths(root: Any) -> dict[str, Any]:
     `{path: module}`, the root first.
     """
     check_model(root, "px.module_paths")
-    return _module_paths(root, complete=False) or {}
+    paths: dict[str, Any] = {}
+    _add_module_paths(root, paths)
+    return paths
 
 
 def known_module_paths(root: Any) -> dict[str, Any] | None:
     """`module_paths(root)`, or None where some converted model cannot list its layers
     before it is called (a linen or function model's layers exist only during a call)."""
-    return _module_paths(root, complete=True)
+    paths: dict[str, Any] = {}
+    return paths if _add_module_paths(root, paths) else None
 
 
-def _module_paths(root: Any, complete: bool) -> dict[str, Any] | None:
-    # One walk, and one `layers()` per converted model: listing an NNX model's layers
-    # merges its graph (~8 ms for a 50M-parameter LM), so asking twice is not free.
-    paths = {}
+def _add_module_paths(root: Any, paths: dict[str, Any]) -> bool:
+    """Add every layer path of `root` to `paths`; returns whether every converted model
+    could list its layers. One walk, one `layers()` per converted model: listing an NNX
+    model's layers merges its graph (~8 ms for a 50M-parameter LM)."""
+    complete = True
     for path, node in walk(root):
         if isinstance(node, eqx.Module):
             paths.setdefault(join(*path), node)
         if isinstance(node, AbstractConverted):
             layers = node.layers()
-            if layers is None and complete:
-                return None
+            complete = complete and layers is not None
             for local, layer in (layers or {}).items():
                 paths.setdefault(join(*path, *local), layer)
-    return paths
+    return complete
 
 
 def check_model(model: Any, wrapper: str) -> None:
