@@ -120,6 +120,55 @@ def test_backward_inside_scan_is_per_step():
     jax.tree.map(partial(close, tol=1e-4), grads.log, expected)
 
 
+def test_derivatives_around_the_backward_pass_see_the_slots_as_perturbations():
+    # jax.hessian, or the gradient of a function of the cotangents: a cotangent log's slot
+    # is differentiated like a perturbation of the layer's output, at every order.
+    model = MLP(3, 4, 2, key=jax.random.key(1))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where="linear1").init(x)
+
+    def perturbed(model, delta):
+        return loss_of(model.linear2(jax.nn.relu(model.linear1(x) + delta)))
+
+    zero = jnp.zeros(4)
+    hessian = jax.hessian(lambda log: loss_of(eqx.tree_at(lambda h: h.log, hooked, log)(x)))(hooked.log)
+    close(hessian["linear1"]["linear1"], jax.hessian(partial(perturbed, model))(zero))
+
+    def outer(hooked):
+        return jnp.sum(grads_of(hooked, x).log["linear1"] ** 2)
+
+    def outer_expected(model, delta):
+        return jnp.sum(jax.grad(partial(perturbed, model))(delta) ** 2)
+
+    grads = eqx.filter_grad(outer)(hooked)
+    close(grads.log["linear1"], jax.grad(partial(outer_expected, model))(zero))
+    expected = eqx.filter_grad(outer_expected)(model, zero)
+    jax.tree.map(close, eqx.filter(grads.model, eqx.is_array), eqx.filter(expected, eqx.is_array))
+
+
+def test_derivatives_around_the_backward_pass_of_a_scanned_stack():
+    model = transformer(num_blocks=3)
+    t = tokens()
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where=["blocks.1", "head"]).init(t)
+    arrays, static = eqx.partition(model.blocks, eqx.is_array)
+
+    def loss_with(deltas):
+        x = jax.vmap(model.embed)(t)
+        for i in range(3):
+            x = eqx.combine(jax.tree.map(lambda a: a[i], arrays), static)(x)
+            x = x + deltas["blocks.1"] if i == 1 else x
+        return loss_of(jax.vmap(model.head)(x) + deltas["head"])
+
+    def of_cotangents(log):
+        return sum(jnp.sum(jnp.cos(c)) for c in jax.tree.leaves(log))
+
+    zeros = {"blocks.1": jnp.zeros((*t.shape, 8)), "head": jnp.zeros((*t.shape, 11))}
+    expected = jax.jit(jax.grad(lambda d: of_cotangents(jax.grad(loss_with)(d))))(zeros)
+    got = eqx.filter_jit(eqx.filter_grad(lambda h: of_cotangents(grads_of(h, t).log)))(hooked).log
+    assert set(got) == set(expected)
+    jax.tree.map(partial(close, tol=1e-4), got, expected)
+
+
 def test_statistic_logs_of_cotangents():
     model = MLP(3, 4, 2, key=jax.random.key(1))
     x = jnp.linspace(-1.0, 1.0, 3)

@@ -39,10 +39,13 @@ class BackwardHook(AbstractHookWrapper):
     `log_fn(hook_fn(cotangent))`. Slots of layers inside `jax.vmap`/`jax.lax.scan`
     bodies carry the mapped/scanned axis, so their cotangents are per example/step. One
     step of a stack of layers (`where="blocks.1.attn"`) has a slot of one step's shape,
-    and the hook edits that step's cotangent only. A layer called in a `jax.vmap` body on
-    inputs that do not vary over the batch (closed over, `in_axes=None`) still logs one
-    cotangent per example, not their sum: its output is made per example (every row
-    equal), so the computation after it runs per example.
+    and the hook edits that step's cotangent only. Around the backward pass
+    (`jax.hessian`, a gradient of a function of the cotangents) a slot of the output's
+    own shapes (`IdentityLog`) is differentiated as a perturbation of the layer's
+    output; a slot of another shape (a statistic) has derivative zero there. A layer
+    called in a `jax.vmap` body on inputs that do not vary over the batch (closed over,
+    `in_axes=None`) still logs one cotangent per example, not their sum: its output is
+    made per example (every row equal), so the computation after it runs per example.
 
     Only floating-point leaves have cotangents: integer (and boolean) leaves of a
     layer's output, or with `pre_hook=True` of its inputs (an argmax, VQ codes, token
@@ -201,18 +204,47 @@ def _check_differentiable(path: str, template: Any) -> None:
         )
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _through_slot(value: Any, slot: Any, steps: Any) -> Any:
+    """The layer's value, plus its slot where the slot has the shapes of the value's
+    floating-point leaves (a log of the cotangent itself, `IdentityLog`): the slot
+    (zeros) then perturbs the output, so that a derivative taken *around* the backward
+    pass (`jax.hessian`, the gradient of a function of cotangents) gives the slot the
+    outer cotangent of the layer's output, as for any input of the model. A slot of
+    another shape (a statistic) does not enter the forward pass: its outer derivative
+    is zero, as documented."""
+    values, structure = jtu.tree_flatten(value, is_leaf=_is_none)
+    slots = jtu.tree_leaves(slot, is_leaf=_is_none)
+
+    def matches(v: Any, s: Any) -> bool:
+        if not eqx.is_inexact_array(v):
+            return s is None
+        return s is not None and (v.shape, v.dtype) == (jnp.shape(s), jnp.result_type(s))
+
+    if jtu.tree_structure(slot, is_leaf=_is_none) != structure or not all(map(matches, values, slots)):
+        return value
+    if steps is not None:
+        # A stack selected at some steps: the other steps' outputs stay unperturbed.
+        active, _ = steps
+        slots = [None if s is None else jnp.where(active, s, jnp.zeros_like(s)) for s in slots]
+    # `v - (0 - s)` is `v` for a zero slot and every float `v`, -0.0 included (`v + s`
+    # would turn -0.0 into 0.0), and its derivative in `s` is 1.
+    return jtu.tree_unflatten(structure, [v if s is None else v - (0 - s) for v, s in zip(values, slots)])
+
+
 @eqx.filter_custom_vjp
 def _cotangent_probe(value_and_slot, hook_fn, log_fn, site):
     del hook_fn, log_fn, site
-    value, _, _ = value_and_slot
-    return value
+    return _through_slot(*value_and_slot)
 
 
 @_cotangent_probe.def_fwd
 def _cotangent_probe_fwd(perturbed, value_and_slot, hook_fn, log_fn, site):
     del perturbed, hook_fn, log_fn, site
-    value, _, _ = value_and_slot
-    return value, None
+    return _through_slot(*value_and_slot), None
 
 
 @_cotangent_probe.def_bwd
