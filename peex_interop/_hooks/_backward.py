@@ -2,9 +2,10 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from .._engine._batching import per_example
 from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
@@ -208,14 +209,27 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
+@jax.custom_jvp
+def _perturbed_by(value: Array, slot: Array) -> Array:
+    return value
+
+
+@_perturbed_by.defjvp
+def _perturbed_by_jvp(primals: tuple, tangents: tuple) -> tuple:
+    # The value itself, untouched (no operation on it in any pass), with the slot's
+    # tangent added: what `value + slot` would be at a zero slot, to every order.
+    (value, _), (value_tangent, slot_tangent) = primals, tangents
+    return value, value_tangent + slot_tangent
+
+
 def _through_slot(value: Any, slot: Any, steps: Any) -> Any:
-    """The layer's value, plus its slot where the slot has the shapes of the value's
-    floating-point leaves (a log of the cotangent itself, `IdentityLog`): the slot
-    (zeros) then perturbs the output, so that a derivative taken *around* the backward
-    pass (`jax.hessian`, the gradient of a function of cotangents) gives the slot the
-    outer cotangent of the layer's output, as for any input of the model. A slot of
-    another shape (a statistic) does not enter the forward pass: its outer derivative
-    is zero, as documented."""
+    """The layer's value, perturbed by its slot where the slot has the shapes of the
+    value's floating-point leaves (a log of the cotangent itself, `IdentityLog`): a
+    derivative taken *around* the backward pass (`jax.hessian`, the gradient of a
+    function of cotangents) then gives the slot the outer cotangent of the layer's
+    output, as for any input of the model. The perturbation is a tangent only
+    (`_perturbed_by`): the forward pass computes nothing more. A slot of another shape
+    (a statistic) has no such meaning: its outer derivative is zero, as documented."""
     values, structure = jtu.tree_flatten(value, is_leaf=_is_none)
     slots = jtu.tree_leaves(slot, is_leaf=_is_none)
 
@@ -230,9 +244,7 @@ def _through_slot(value: Any, slot: Any, steps: Any) -> Any:
         # A stack selected at some steps: the other steps' outputs stay unperturbed.
         active, _ = steps
         slots = [None if s is None else jnp.where(active, s, jnp.zeros_like(s)) for s in slots]
-    # `v - (0 - s)` is `v` for a zero slot and every float `v`, -0.0 included (`v + s`
-    # would turn -0.0 into 0.0), and its derivative in `s` is 1.
-    return jtu.tree_unflatten(structure, [v if s is None else v - (0 - s) for v, s in zip(values, slots)])
+    return jtu.tree_unflatten(structure, [v if s is None else _perturbed_by(v, s) for v, s in zip(values, slots)])
 
 
 @eqx.filter_custom_vjp
