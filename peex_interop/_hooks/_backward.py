@@ -178,8 +178,10 @@ class BackwardHook(AbstractHookWrapper):
         # steps; a one-step slot is shared by every step (`_Body.probes` spreads it), so
         # the others must add zeros to its gradient.
         steps = None if site.active is None else (site.active, site.one_step)
+        # A log of the cotangent itself: its slot stands for a perturbation of the output.
+        perturbs = _shapes(template) == _shapes(cotangent_like)
         try:
-            return _cotangent_probe((value, slot, steps), self.hook_fn, self.log_fn, CallSite.of(site))
+            return _cotangent_probe((value, slot, steps), self.hook_fn, self.log_fn, CallSite.of(site), perturbs)
         except TypeError as error:
             if "forward-mode" not in str(error):
                 raise
@@ -205,8 +207,9 @@ def _check_differentiable(path: str, template: Any) -> None:
         )
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
+def _shapes(tree: Any) -> tuple[Any, list]:
+    leaves, structure = jtu.tree_flatten(tree)
+    return structure, [(leaf.shape, leaf.dtype) for leaf in leaves]
 
 
 @jax.custom_jvp
@@ -222,46 +225,43 @@ def _perturbed_by_jvp(primals: tuple, tangents: tuple) -> tuple:
     return value, value_tangent + slot_tangent
 
 
-def _through_slot(value: Any, slot: Any, steps: Any) -> Any:
+def _through_slot(value: Any, slot: Any, steps: Any, perturbs: bool) -> Any:
     """The layer's value, perturbed by its slot where the slot has the shapes of the
-    value's floating-point leaves (a log of the cotangent itself, `IdentityLog`): a
-    derivative taken *around* the backward pass (`jax.hessian`, the gradient of a
-    function of cotangents) then gives the slot the outer cotangent of the layer's
-    output, as for any input of the model. The perturbation is a tangent only
-    (`_perturbed_by`): the forward pass computes nothing more. A slot of another shape
-    (a statistic) has no such meaning: its outer derivative is zero, as documented."""
-    values, structure = jtu.tree_flatten(value, is_leaf=_is_none)
-    slots = jtu.tree_leaves(slot, is_leaf=_is_none)
-
-    def matches(v: Any, s: Any) -> bool:
-        if not eqx.is_inexact_array(v):
-            return s is None
-        return s is not None and (v.shape, v.dtype) == (jnp.shape(s), jnp.result_type(s))
-
-    if jtu.tree_structure(slot, is_leaf=_is_none) != structure or not all(map(matches, values, slots)):
+    value's floating-point leaves (`perturbs`: a log of the cotangent itself,
+    `IdentityLog`): a derivative taken *around* the backward pass (`jax.hessian`, the
+    gradient of a function of cotangents) then gives the slot the outer cotangent of
+    the layer's output, as for any input of the model. The perturbation is a tangent
+    only (`_perturbed_by`): the forward pass computes nothing more. A slot of another
+    shape (a statistic) has no such meaning: its outer derivative is zero, as
+    documented."""
+    if not perturbs:
         return value
     if steps is not None:
         # A stack selected at some steps: the other steps' outputs stay unperturbed.
         active, _ = steps
-        slots = [None if s is None else jnp.where(active, s, jnp.zeros_like(s)) for s in slots]
-    return jtu.tree_unflatten(structure, [v if s is None else _perturbed_by(v, s) for v, s in zip(values, slots)])
+        slot = jtu.tree_map(lambda s: jnp.where(active, s, jnp.zeros_like(s)), slot)
+    return jtu.tree_map(
+        lambda s, v: v if s is None else _perturbed_by(v, s), slot, value, is_leaf=lambda x: x is None
+    )
 
 
 @eqx.filter_custom_vjp
-def _cotangent_probe(value_and_slot, hook_fn, log_fn, site):
+def _cotangent_probe(value_and_slot, hook_fn, log_fn, site, perturbs):
     del hook_fn, log_fn, site
-    return _through_slot(*value_and_slot)
+    value, slot, steps = value_and_slot
+    return _through_slot(value, slot, steps, perturbs)
 
 
 @_cotangent_probe.def_fwd
-def _cotangent_probe_fwd(perturbed, value_and_slot, hook_fn, log_fn, site):
+def _cotangent_probe_fwd(perturbed, value_and_slot, hook_fn, log_fn, site, perturbs):
     del perturbed, hook_fn, log_fn, site
-    return _through_slot(*value_and_slot), None
+    value, slot, steps = value_and_slot
+    return _through_slot(value, slot, steps, perturbs), None
 
 
 @_cotangent_probe.def_bwd
-def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_fn, log_fn, site):
-    del residuals, perturbed
+def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_fn, log_fn, site, perturbs):
+    del residuals, perturbed, perturbs
     value, _, steps = value_and_slot
     # Symbolic-zero cotangents arrive as None; hooks and logs see real zeros.
     cotangent = jtu.tree_map(
