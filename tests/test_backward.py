@@ -100,6 +100,51 @@ def test_backward_inside_vmap_is_per_example_not_summed():
     close(grads.log["lin"], vjp(1.0)[0])
 
 
+class Normalised(eqx.Module):
+    """Equinox's per-example BatchNorm: a collective over the vmap's axis name."""
+
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __call__(self, x, state):
+        h, state = self.bn(self.lin(x), state)
+        return self.head(jax.nn.relu(h)), state
+
+
+def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap():
+    keys = jax.random.split(jax.random.key(0), 3)
+    model, state = eqx.nn.make_with_state(Normalised)(
+        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
+        eqx.nn.Linear(4, 2, key=keys[1]),
+    )
+    xs = jax.random.normal(keys[2], (5, 3))
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where=["lin", "head"])
+    # Outside the vmap, the axis name is unbound: the error says where to call init.
+    with pytest.raises(px.HookError, match=r"outside the vmap.*batch.*filter_vmap"):
+        hooked.init(xs[0], state)
+    hooked = eqx.filter_vmap(lambda x: hooked.init(x, state), axis_name="batch", out_axes=None)(xs)
+
+    def loss(h, state, delta=None):
+        def one(x):
+            if delta is None:
+                return h(x, state)
+            y, new_state = h.bn(h.lin(x) + delta, state)
+            return h.head(jax.nn.relu(y)), new_state
+
+        out, _ = jax.vmap(one, axis_name="batch", out_axes=(0, None))(xs)
+        return jnp.sum(out**2)
+
+    # (The state an argument, as in a training step: Equinox refuses a concrete state
+    # used twice.)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(hooked, state)
+    # Closed over by the vmap, a slot is shared by the examples: its gradient is that of
+    # one shift of the layer's output for all of them.
+    close(grads.log["lin"], jax.jit(jax.grad(lambda d, state: loss(model, state, d)))(jnp.zeros(4), state))
+    jax.tree.map(close, eqx.filter(grads.model, eqx.is_inexact_array),
+                 eqx.filter(eqx.filter_jit(eqx.filter_grad(loss))(model, state), eqx.is_inexact_array))
+
+
 def test_backward_inside_scan_is_per_step():
     model = transformer(num_blocks=3)
     t = tokens()

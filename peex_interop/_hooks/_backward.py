@@ -120,8 +120,21 @@ class BackwardHook(AbstractHookWrapper):
 
         # A shape-only pass: a model run inside a live Haiku/linen call names modules and
         # draws keys afterwards as if it had not happened.
-        with shape_only():
-            shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
+        try:
+            with shape_only():
+                shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
+        except NameError as error:
+            if "axis name" not in str(error):
+                raise
+            # A per-example model with a collective over the batch (eqx.nn.BatchNorm's
+            # axis_name): its shapes exist only inside the vmap that binds that name.
+            raise HookError(
+                f"BackwardHook.init ran the model on the example arguments outside the vmap whose axis "
+                f"name it uses ({error}): a collective over a vmap axis (eqx.nn.BatchNorm(axis_name=...), "
+                "jax.lax.pmean) needs that axis bound. Call init inside that vmap on a batch of examples, "
+                "returning the hook unbatched: eqx.filter_vmap(lambda x: hooked.init(x), "
+                "axis_name=..., out_axes=None)(xs)"
+            ) from error
         slots = zeros_like(shapes)
         return BackwardHook(
             self.model, self.hook_fn, self.log_fn, slots, self.pre_hook,
