@@ -356,3 +356,25 @@ def test_other_methods_are_selectable_and_init_is_never_hooked():
     assert set(log) == {"coder", "coder.encode", "coder.encode.down", "coder.decode.up"}  # no __init__
     down = params["coder/~encode/down"]
     np.testing.assert_allclose(log["coder.encode"], jnp.tanh(x @ down["w"] + down["b"]), rtol=1e-6)
+
+
+def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap():
+    def normalised(x, delta=0.0):
+        h = hk.Linear(4, name="lin")(x) + delta
+        return hk.BatchNorm(True, True, 0.9, cross_replica_axis="batch")(h, is_training=True)
+
+    transformed = hk.transform_with_state(normalised)
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+    params, state = jax.vmap(lambda x: transformed.init(jax.random.key(0), x), axis_name="batch", out_axes=None)(xs)
+    hooked = px.BackwardHook(px.from_haiku(transformed, params, state), log_fn=px.IdentityLog(), where="lin")
+    with pytest.raises(px.HookError, match=r"outside the vmap.*batch.*filter_vmap"):
+        hooked.init(xs[0])
+    hooked = eqx.filter_vmap(lambda x: hooked.init(x), axis_name="batch", out_axes=None)(xs)
+
+    def loss(call):
+        out, _ = jax.vmap(call, axis_name="batch", out_axes=(0, None))(xs)
+        return jnp.sum(out**2)
+
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(hooked)
+    expected = jax.jit(jax.grad(lambda d: loss(lambda x: transformed.apply(params, state, None, x, d))))(jnp.zeros(4))
+    close(grads.log["lin"], expected, tol=1e-4)

@@ -593,3 +593,30 @@ def test_threads_do_not_see_each_others_hooks():
     assert set(other_log) == {"linear2"}
     assert set(hooked_log) == {"linear1", "linear2"}
     assert not _patching.is_patched(nnx.Linear, "__call__")
+
+
+class Normalised(nnx.Module):
+    """NNX's BatchNorm averaging over the axis of the vmap around a per-example model."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, axis_name="batch", rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.lin(x))
+
+
+def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap():
+    net = Normalised(nnx.Rngs(0))
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+    hooked = px.BackwardHook(px.from_nnx(net), log_fn=px.IdentityLog(), where="lin")
+    with pytest.raises(px.HookError, match=r"outside the vmap.*batch.*filter_vmap"):
+        hooked.init(xs[0])
+    hooked = eqx.filter_vmap(lambda x: hooked.init(x), axis_name="batch", out_axes=None)(xs)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda h: jnp.sum(jax.vmap(h, axis_name="batch")(xs) ** 2)))(hooked)
+
+    def shifted(delta):  # the batch normalisation written out (scale 1, bias 0 at init)
+        h = jax.vmap(net.lin)(xs) + delta
+        return jnp.sum(((h - h.mean(0)) / jnp.sqrt(h.var(0) + net.bn.epsilon)) ** 2)
+
+    close(grads.log["lin"], jax.grad(shifted)(jnp.zeros(4)), tol=1e-4)
