@@ -1,3 +1,4 @@
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -104,6 +105,11 @@ class BackwardHook(AbstractHookWrapper):
     def init(self, *args: Any, **kwargs: Any) -> "BackwardHook":
         """Fill `log` with zero slots shaped for a call with these arguments.
 
+        The model runs once, abstractly. A per-example model with a collective over the
+        vmap around it (`eqx.nn.BatchNorm(axis_name=...)`) needs that axis bound: call
+        `init` inside that vmap, returning the hook unbatched
+        (`eqx.filter_vmap(lambda x: hooked.init(x), axis_name=..., out_axes=None)(xs)`).
+
         **Arguments:**
 
         - `*args`, `**kwargs`: example arguments (only shapes and dtypes matter).
@@ -124,16 +130,17 @@ class BackwardHook(AbstractHookWrapper):
             with shape_only():
                 shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
         except NameError as error:
-            if "axis name" not in str(error):
+            unbound = re.search(r"unbound axis name: ([^\s.]+)", str(error))
+            if unbound is None:
                 raise
             # A per-example model with a collective over the batch (eqx.nn.BatchNorm's
             # axis_name): its shapes exist only inside the vmap that binds that name.
             raise HookError(
                 f"BackwardHook.init ran the model on the example arguments outside the vmap whose axis "
-                f"name it uses ({error}): a collective over a vmap axis (eqx.nn.BatchNorm(axis_name=...), "
+                f"name {unbound[1]!r} it uses: a collective over a vmap axis (eqx.nn.BatchNorm(axis_name=...), "
                 "jax.lax.pmean) needs that axis bound. Call init inside that vmap on a batch of examples, "
                 "returning the hook unbatched: eqx.filter_vmap(lambda x: hooked.init(x), "
-                "axis_name=..., out_axes=None)(xs)"
+                f"axis_name={unbound[1]!r}, out_axes=None)(xs)"
             ) from error
         slots = zeros_like(shapes)
         return BackwardHook(
