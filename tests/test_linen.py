@@ -697,3 +697,27 @@ def test_patches_are_undone_on_every_path_and_threads_are_isolated(built):
     assert patched
     close(plain, module.apply(variables, x))
     assert not _patching.is_patched(axes_scan, "scan")
+
+
+def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap():
+    class Normalised(nn.Module):  # per example; BatchNorm averages over the vmap's "batch"
+        @nn.compact
+        def __call__(self, x, delta=0.0):
+            h = nn.Dense(4, name="lin")(x) + delta
+            return nn.BatchNorm(use_running_average=False, axis_name="batch")(h)
+
+    module, xs = Normalised(), jax.random.normal(jax.random.key(1), (5, 3))
+    variables = jax.vmap(lambda x: module.init(jax.random.key(0), x), axis_name="batch", out_axes=None)(xs)
+    hooked = px.BackwardHook(px.from_linen(module, variables, mutable=["batch_stats"]), log_fn=px.IdentityLog(),
+                             where="lin")
+    with pytest.raises(px.HookError, match=r"outside the vmap.*batch.*filter_vmap"):
+        hooked.init(xs[0])
+    hooked = eqx.filter_vmap(lambda x: hooked.init(x), axis_name="batch", out_axes=None)(xs)
+
+    def loss(call):
+        out, _ = jax.vmap(call, axis_name="batch", out_axes=(0, None))(xs)
+        return jnp.sum(out**2)
+
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(hooked)
+    shifted = jax.jit(jax.grad(lambda d: loss(lambda x: module.apply(variables, x, d, mutable=["batch_stats"]))))
+    close(grads.log["lin"], shifted(jnp.zeros(4)), tol=1e-4)
