@@ -130,7 +130,7 @@ class BackwardHook(AbstractHookWrapper):
             with shape_only():
                 shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
         except NameError as error:
-            unbound = re.search(r"unbound axis name: ([^\s.]+)", str(error))
+            unbound = re.search(r"unbound axis name: (.+?)\.?(?: To fix|$)", str(error))
             if unbound is None:
                 raise
             # A per-example model with a collective over the batch (eqx.nn.BatchNorm's
