@@ -2,6 +2,7 @@
 tolerance check."""
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -182,6 +183,31 @@ class Deep(eqx.Module):
         x = self.helper(x)
         x = self.seq(x)
         return self.out(x)
+
+
+def slot_gradient_of_init_inside_the_vmap(model: Any, xs: Any) -> tuple[Any, Callable]:
+    """For a per-example `model` whose layer `lin` feeds a collective over the vmap axis
+    "batch" (a BatchNorm): assert that `px.BackwardHook.init` outside that vmap raises
+    saying where to call it, call it there, and return `(gradient of lin's slot, loss)`.
+    `loss(call)` is the sum of squares of `call` mapped over `xs` (of its output, where
+    it returns its state too); the slot, closed over by that vmap, is shared by the
+    examples."""
+    import peex_interop as px  # the examples and benchmarks import this module too
+
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where="lin")
+    try:
+        hooked.init(xs[0])
+    except px.HookError as error:
+        assert re.search(r"outside the vmap.*batch.*filter_vmap", str(error)), error
+    else:
+        raise AssertionError("init outside the vmap binding the axis name did not raise")
+    hooked = eqx.filter_vmap(lambda x: hooked.init(x), axis_name="batch", out_axes=None)(xs)
+
+    def loss(call: Callable) -> Any:
+        out = jax.vmap(call, axis_name="batch")(xs)
+        return jnp.sum((out[0] if isinstance(out, tuple) else out) ** 2)
+
+    return eqx.filter_jit(eqx.filter_grad(loss))(hooked).log["lin"], loss
 
 
 def random_like(shapes, seed=0):
