@@ -185,6 +185,27 @@ class Deep(eqx.Module):
         return self.out(x)
 
 
+class Normalised(eqx.Module):
+    """Equinox's per-example BatchNorm: a collective over the vmap's axis name."""
+
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __call__(self, x, state):
+        h, state = self.bn(self.lin(x), state)
+        return self.head(jax.nn.relu(h)), state
+
+
+class BatchedNormalised(eqx.Module):
+    """The Equinox idiom for a BatchNorm model: the vmap inside, its state out unbatched."""
+
+    model: Normalised
+
+    def __call__(self, xs, state):
+        return jax.vmap(self.model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xs, state)
+
+
 def slot_gradient_of_init_inside_the_vmap(model: Any, xs: Any) -> tuple[Any, Callable]:
     """For a per-example `model` whose layer `lin` feeds a collective over the vmap axis
     "batch" (a BatchNorm): assert that `px.BackwardHook.init` outside that vmap raises

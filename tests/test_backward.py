@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
-from models import MLP, Deep, close, tokens, transformer
+from models import MLP, BatchedNormalised, Deep, Normalised, close, tokens, transformer
 
 
 def loss_of(output):
@@ -100,18 +100,6 @@ def test_backward_inside_vmap_is_per_example_not_summed():
     close(grads.log["lin"], vjp(1.0)[0])
 
 
-class Normalised(eqx.Module):
-    """Equinox's per-example BatchNorm: a collective over the vmap's axis name."""
-
-    lin: eqx.nn.Linear
-    bn: eqx.nn.BatchNorm
-    head: eqx.nn.Linear
-
-    def __call__(self, x, state):
-        h, state = self.bn(self.lin(x), state)
-        return self.head(jax.nn.relu(h)), state
-
-
 def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap():
     keys = jax.random.split(jax.random.key(0), 3)
     model, state = eqx.nn.make_with_state(Normalised)(
@@ -143,6 +131,45 @@ def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap()
     close(grads.log["lin"], jax.jit(jax.grad(lambda d, state: loss(model, state, d)))(jnp.zeros(4), state))
     jax.tree.map(close, eqx.filter(grads.model, eqx.is_inexact_array),
                  eqx.filter(eqx.filter_jit(eqx.filter_grad(loss))(model, state), eqx.is_inexact_array))
+
+
+@pytest.mark.parametrize("pre_hook", [False, True])
+def test_a_layer_returning_its_state_from_the_equinox_batchnorm_idiom(pre_hook):
+    # Every layer hooked, BatchNorm too: the state it takes and returns is no activation
+    # (None in the log), and is returned from the vmap unbatched as the model does.
+    keys = jax.random.split(jax.random.key(3), 3)
+    inner, state = eqx.nn.make_with_state(Normalised)(
+        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
+        eqx.nn.Linear(4, 2, key=keys[1]),
+    )
+    model, xs = BatchedNormalised(inner), jax.random.normal(keys[2], (5, 3))
+
+    def loss(m, state):
+        out, new_state = m(xs, state)
+        # The returned state is differentiated too: its cotangent must pass through.
+        return jnp.sum(out**2) + jnp.sum(jax.tree.leaves(new_state)[1] ** 2)
+
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), pre_hook=pre_hook).init(xs, state)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(hooked, state)
+    jax.tree.map(close, eqx.filter(grads.model, eqx.is_inexact_array),
+                 eqx.filter(eqx.filter_jit(eqx.filter_grad(loss))(model, state), eqx.is_inexact_array))
+    assert grads.log["model.bn"][1] is None
+
+    # Independently: the gradient with respect to each example's input of the layer
+    # (pre_hook) or its output, the rest of the model run by hand under the same vmap.
+    def rest(values, at):
+        def one(v):
+            h = inner.lin(v) if at == "input of lin" else v
+            y, new_state = inner.bn(h, state)
+            return inner.head(jax.nn.relu(y)), new_state
+
+        out, new_state = jax.vmap(one, axis_name="batch", out_axes=(0, None))(values)
+        return jnp.sum(out**2) + jnp.sum(jax.tree.leaves(new_state)[1] ** 2)
+
+    if pre_hook:
+        close(grads.log["model.lin"][0], jax.grad(rest)(xs, "input of lin"))
+    else:
+        close(grads.log["model.lin"], jax.grad(rest)(jax.vmap(inner.lin)(xs), "output of lin"))
 
 
 def test_backward_inside_scan_is_per_step():

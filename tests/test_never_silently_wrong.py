@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
-from models import close
+from models import BatchedNormalised, Normalised, close
 
 KEYS = jax.random.split(jax.random.key(0), 6)
 X = jnp.array([0.5, -0.2, 0.3])
@@ -154,3 +154,87 @@ def test_non_array_log_leaves_cross_transforms_as_they_are(jit):
     for key in log:
         assert log[key]["name"] == "lin"
         close(log[key]["mean"], jnp.mean(jax.vmap(model.lin)(xs), axis=-1))
+
+
+def normalised(seed):
+    keys = jax.random.split(jax.random.key(seed), 2)
+    return eqx.nn.make_with_state(Normalised)(
+        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
+        eqx.nn.Linear(4, 2, key=keys[1]),
+    )
+
+
+def test_a_model_with_a_collective_over_its_batch_run_on_one_example_is_refused_with_the_remedy():
+    # Every function that runs the whole model on the example arguments: JAX's own
+    # error names no layer and advises shard_map.
+    (a, state), (b, _) = normalised(0), normalised(1)
+    x = jnp.ones(3)
+    mapping = {"lin": "lin", "bn": "bn", "head": "head"}
+    calls = [
+        ("px.sites", lambda: px.sites(a, x, state)),
+        ("px.summary", lambda: px.summary(a, x, state)),
+        ("px.align", lambda: px.align(a, b, x, state)),
+        # An Equinox pair is read without running; the model first runs in the verification.
+        (r"transfer_params\(\.\.\., inputs=\)",
+         lambda: px.transfer_params(a, b, mapping, inputs=(x, state), src_state=state, dst_state=state)),
+        ("px.compare", lambda: px.compare(a, b, x, state, alignment=px.Alignment(mapping, (), (), True))),
+        ("px.port", lambda: px.port(a, b, x, state)),
+    ]
+    for caller, call in calls:
+        with pytest.raises(px.HookError, match=rf"^{caller} ran the model .* axis name 'batch'.*jax.vmap\(self.model"):
+            call()
+
+
+def test_the_remedy_for_a_collective_over_the_batch_maps_the_model_itself():
+    (a, state), (b, _) = normalised(0), normalised(1)
+    xs = jax.random.normal(jax.random.key(2), (5, 3))
+    rows = {row.path: row for row in px.summary(BatchedNormalised(a), xs, state).rows}
+    # Per example, as inside the vmap; the state the BatchNorm takes is read before the
+    # call updates it (Equinox refuses a State once used).
+    assert rows["model.lin"].output == jax.ShapeDtypeStruct((4,), jnp.float32)
+    assert rows["model.bn"].args[0] == jax.ShapeDtypeStruct((4,), jnp.float32)
+    comparison = px.compare(BatchedNormalised(a), BatchedNormalised(b), xs, state)
+    assert comparison.first_divergence.path_a == "model.lin"
+    # Against the output by hand: the two models' heads on their batch statistics.
+    out_a, out_b = (jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xs, state)[0]
+                    for m in (a, b))
+    head = next(row for row in comparison.rows if row.path_a == "model.head")
+    close(head.max_abs, jnp.max(jnp.abs(out_a - out_b)))
+    assert px.compare(BatchedNormalised(a), BatchedNormalised(a), xs, state).first_divergence is None
+
+
+class TwiceNormalised(eqx.Module):
+    bn: eqx.nn.BatchNorm
+
+    def __call__(self, xs, state):
+        def one(x, state):
+            h, state = self.bn(x, state)
+            return self.bn(h, state)
+
+        return jax.vmap(one, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xs, state)
+
+
+@pytest.mark.parametrize("logs", ["pre_log_fn", "log_fn"])
+def test_a_logged_state_outlives_the_call_that_updates_it(logs):
+    # Equinox invalidates an eqx.nn.State once a call has updated it: the state a layer
+    # takes (pre) or returns (post, then taken by the layer's second call) stays readable
+    # in the log, with the values it had.
+    model, state = eqx.nn.make_with_state(TwiceNormalised)(eqx.nn.BatchNorm(3, axis_name="batch", mode="batch"))
+    xs = jax.random.normal(jax.random.key(0), (4, 3))
+    out, log = eqx.filter_jit(px.ForwardHook(model, **{logs: px.IdentityLog()}))(xs, state)
+
+    def by_hand(xs, state):
+        h, first = model.bn(xs, state)
+        return h, jax.tree.map(lambda a: a, first), model.bn(h, first)  # a clone: the call invalidates it
+
+    h, first, (y, second) = jax.vmap(by_hand, axis_name="batch", in_axes=(0, None), out_axes=(0, None, (0, None)))(
+        xs, state)
+    close(out[0], y)
+    # Logged inside the vmap, a state is logged per example: every row the same.
+    rows = lambda got, want: jax.tree.map(lambda g, w: close(g, jnp.broadcast_to(w, g.shape)), got, want)
+    if logs == "pre_log_fn":
+        rows(log["bn:in"][0], (xs, state))
+        rows(log["bn@1:in"][0], (h, first))
+    else:
+        rows(log["bn"], (h, first))
+        rows(log["bn@1"], (y, second))

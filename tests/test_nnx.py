@@ -616,3 +616,21 @@ def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap()
         return jnp.sum(((h - h.mean(0)) / jnp.sqrt(h.var(0) + net.bn.epsilon)) ** 2)
 
     close(slot_gradient, jax.grad(shifted)(jnp.zeros(4)), tol=1e-4)
+
+
+def test_transfer_into_a_model_with_a_collective_over_the_batch_maps_it_over_a_batch():
+    a, b = px.from_nnx(Normalised(nnx.Rngs(0))), px.from_nnx(Normalised(nnx.Rngs(1)))
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+    # On one example, the shape-only pass that reads the layers' types is refused.
+    with pytest.raises(px.HookError, match=r"^transfer_params\(\.\.\., inputs=\) ran .*'batch'.*jax.vmap\(self"):
+        px.transfer_params(a, b, {"lin": "lin", "bn": "bn"}, inputs=xs[0])
+
+    class Batched(eqx.Module):  # the remedy the error gives
+        model: px.NnxModule
+
+        def __call__(self, xs):
+            return jax.vmap(self.model, axis_name="batch")(xs)
+
+    ported = px.transfer_params(Batched(a), Batched(b), {"model.lin": "model.lin", "model.bn": "model.bn"}, inputs=xs)
+    # Against the source run by NNX itself over the batch.
+    close(ported(xs), nnx.vmap(lambda m, x: m(x), in_axes=(None, 0), axis_name="batch")(px.to_nnx(a), xs))

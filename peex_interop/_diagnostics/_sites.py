@@ -10,6 +10,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._engine._context import HookContext, InnerCall, Site
+from .._engine._errors import outside_its_vmap, run_on_a_batch
 from .._engine._hooking import hooking
 from .._engine._kinds import INNER_KINDS
 from .._engine._paths import AbstractConverted, check_model
@@ -122,6 +123,9 @@ class _SiteFinder:
         self.selection = Selection(where=("**", Kind(INNER_KINDS))) if inner else Selection()
 
     def run_site(self, context: HookContext, site: Site) -> Any:
+        # Read before the call: a layer that updates an `eqx.nn.State` invalidates the
+        # one it was given.
+        args, kwargs = _shapes(site.args), _shapes(site.kwargs)
         output = site.call(*site.args, **site.kwargs)
         if isinstance(site.module, InnerCall):
             trainable, other = 0, 0  # a site inside a layer holds no parameters
@@ -135,8 +139,8 @@ class _SiteFinder:
             path=site.path,
             kind=site.kind,
             module_type=type(site.module).__name__,
-            args=_shapes(site.args),
-            kwargs=_shapes(site.kwargs),
+            args=args,
+            kwargs=kwargs,
             output=_shapes(output),
             trainable=trainable,
             non_trainable=other,
@@ -158,7 +162,8 @@ def find_sites(model: Any, args: tuple, kwargs: dict, caller: str, inner: bool =
         with hooking(model, finder) as context:
             return context.root(*args, **kwargs)
 
-    eqx.filter_eval_shape(run, model, args, kwargs)
+    with outside_its_vmap(caller, run_on_a_batch):
+        eqx.filter_eval_shape(run, model, args, kwargs)
     calls: dict[str, int] = {}
     for facts in finder.found.values():
         calls[facts["path"]] = calls.get(facts["path"], 0) + 1

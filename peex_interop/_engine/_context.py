@@ -637,6 +637,9 @@ class HookContext:
     def record(self, site: Site, key: str, value: Any) -> None:
         if value is None:
             return
+        # A log holds its own copy of the structure (the arrays are shared): an
+        # `eqx.nn.State` logged at a call is invalidated when a later call updates it.
+        value = jtu.tree_map(lambda leaf: leaf, value)
         if self.in_foreign_trace():
             _harvest.sow(self._index_in_active(), self._tag_parts(key), value, transform_name())
             return

@@ -1,6 +1,11 @@
 """The package's errors: one base class, so `except px.PeexInteropError` catches every
 refusal, while each keeps the built-in type its situation calls for."""
 
+import contextlib
+import re
+import threading
+from collections.abc import Callable, Iterator
+
 
 class PeexInteropError(Exception):
     """Base class of every error peex_interop raises on purpose (a refusal, never a
@@ -24,3 +29,43 @@ class PortError(HookError):
     def __init__(self, message: str, comparison: object = None):
         super().__init__(message)
         self.comparison = comparison
+
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (.+?)\.?(?: To fix|$)")
+
+
+@contextlib.contextmanager
+def outside_its_vmap(caller: str, remedy: Callable[[str], str]) -> Iterator[None]:
+    """Turn JAX's bare `NameError` for an axis name that no vmap binds into a
+    `HookError` naming the axis and `remedy(axis_name)`: `caller` ran a per-example
+    model with a collective over its batch (`eqx.nn.BatchNorm(axis_name=...)`) on one
+    example, outside the vmap the model is written for. Other `NameError`s pass."""
+    # Nested (transfer_params verifying with px.compare): the error names the function
+    # the user called.
+    _callers.stack = [*getattr(_callers, "stack", []), caller]
+    try:
+        yield
+    except NameError as error:
+        unbound = _UNBOUND_AXIS.search(str(error))
+        if unbound is None:
+            raise
+        raise HookError(
+            f"{_callers.stack[0]} ran the model on the example arguments outside the vmap whose axis name "
+            f"{unbound[1]!r} it uses: a collective over a vmap axis (eqx.nn.BatchNorm(axis_name=...), "
+            f"jax.lax.pmean) needs that axis bound. {remedy(unbound[1])}"
+        ) from error
+    finally:
+        _callers.stack.pop()
+
+
+_callers = threading.local()
+
+
+def run_on_a_batch(axis_name: str) -> str:
+    """The remedy for the functions that run a whole model on the arguments given."""
+    return (
+        "Pass a batch of examples and a model that maps itself over it: an eqx.Module holding "
+        f"the model whose __call__ is jax.vmap(self.model, axis_name={axis_name!r}, ...) (an "
+        "eqx.nn.State with in_axes=None and out_axes=None); its layers keep their paths, under "
+        "the field's name"
+    )

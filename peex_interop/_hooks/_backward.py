@@ -1,4 +1,3 @@
-import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -10,7 +9,7 @@ from jaxtyping import Array, PyTree
 
 from .._engine._batching import per_example
 from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
-from .._engine._errors import HookError, TransformError
+from .._engine._errors import HookError, TransformError, outside_its_vmap
 from .._engine._hooking import hooking
 from .._engine._selection import Where
 from .._engine._shape_pass import shape_only
@@ -48,6 +47,9 @@ class BackwardHook(AbstractHookWrapper):
     called in a `jax.vmap` body on inputs that do not vary over the batch (closed over,
     `in_axes=None`) still logs one cotangent per example, not their sum: its output is
     made per example (every row equal), so the computation after it runs per example.
+    An `eqx.nn.State` that a layer returns (or, with `pre_hook=True`, takes) is its
+    carried state, not an activation: `None` in what `hook_fn` and `log_fn` receive,
+    its cotangent passed through unchanged, its batching left as the model made it.
 
     Only floating-point leaves have cotangents: integer (and boolean) leaves of a
     layer's output, or with `pre_hook=True` of its inputs (an argmax, VQ codes, token
@@ -126,22 +128,8 @@ class BackwardHook(AbstractHookWrapper):
 
         # A shape-only pass: a model run inside a live Haiku/linen call names modules and
         # draws keys afterwards as if it had not happened.
-        try:
-            with shape_only():
-                shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
-        except NameError as error:
-            unbound = re.search(r"unbound axis name: (.+?)\.?(?: To fix|$)", str(error))
-            if unbound is None:
-                raise
-            # A per-example model with a collective over the batch (eqx.nn.BatchNorm's
-            # axis_name): its shapes exist only inside the vmap that binds that name.
-            raise HookError(
-                f"BackwardHook.init ran the model on the example arguments outside the vmap whose axis "
-                f"name {unbound[1]!r} it uses: a collective over a vmap axis (eqx.nn.BatchNorm(axis_name=...), "
-                "jax.lax.pmean) needs that axis bound. Call init inside that vmap on a batch of examples, "
-                "returning the hook unbatched: eqx.filter_vmap(lambda x: hooked.init(x), "
-                f"axis_name={unbound[1]!r}, out_axes=None)(xs)"
-            ) from error
+        with outside_its_vmap("BackwardHook.init", _init_inside_its_vmap), shape_only():
+            shapes = eqx.filter_eval_shape(templates, self, args, kwargs)
         slots = zeros_like(shapes)
         return BackwardHook(
             self.model, self.hook_fn, self.log_fn, slots, self.pre_hook,
@@ -170,6 +158,14 @@ class BackwardHook(AbstractHookWrapper):
         return self._attach(context, site, site.call(*site.args, **site.kwargs))
 
     def _attach(self, context: HookContext, site: Site, value: Any) -> Any:
+        # A layer's `eqx.nn.State` is what it carries to its next call, not an activation:
+        # it bypasses the slot, its cotangent flowing back unchanged, and stays as
+        # batched as the model made it (the Equinox idiom returns it from its vmap with
+        # `out_axes=None`).
+        states, value = eqx.partition(value, _is_state, is_leaf=_is_state)
+        return eqx.combine(self._attach_to(context, site, value), states, is_leaf=_is_state)
+
+    def _attach_to(self, context: HookContext, site: Site, value: Any) -> Any:
         # Only floating-point leaves have a cotangent (JAX gives the others a float0
         # one, `filter_custom_vjp` None): hooks and logs see None in their place.
         cotangent_like = jtu.tree_map(
@@ -212,6 +208,13 @@ class BackwardHook(AbstractHookWrapper):
                 "Use reverse mode (jax.grad, jax.vjp, jax.jacrev; jax.hessian works), "
                 "or a ForwardHook for forward-mode transforms."
             ) from error
+
+
+def _init_inside_its_vmap(axis_name: str) -> str:
+    return (
+        "Call init inside that vmap on a batch of examples, returning the hook unbatched: "
+        f"eqx.filter_vmap(lambda x: hooked.init(x), axis_name={axis_name!r}, out_axes=None)(xs)"
+    )
 
 
 def _check_differentiable(path: str, template: Any) -> None:
@@ -303,3 +306,7 @@ def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_f
         if one_step:
             logged = jtu.tree_map(lambda log: jnp.where(active, log, jnp.zeros_like(log)), logged)
     return edited, logged, eqx.filter(steps, eqx.is_inexact_array)  # no cotangent for the flags
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, eqx.nn.State)

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._diagnostics._sites import SiteRow
+from .._diagnostics._sites import SiteRow, find_sites
 from .._diagnostics._summary import summary
 from .._diagnostics._table import AbstractTabular, Table
-from .._engine._errors import HookError
+from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._engine._paths import AbstractConverted
 from .._hooks._backward import BackwardHook
 from .._hooks._forward import ForwardHook
@@ -89,7 +89,7 @@ def align(model_a: Any, model_b: Any, *args: Any, kinds: tuple[str, ...] = DEFAU
     An `Alignment`: `.mapping`, `.unmatched`, `.ambiguous` (each entry: side, path,
     reason).
     """
-    rows = [summary(model, *args, **kwargs).rows for model in (model_a, model_b)]
+    rows = [find_sites(model, args, kwargs, "px.align") for model in (model_a, model_b)]
     return align_rows(rows[0], rows[1], kinds)
 
 
@@ -372,13 +372,14 @@ def _compare_call(
     state that call left."""
     layers_a, layers_b = _layers(list(alignment.mapping)), _layers(list(alignment.mapping.values()))
     models, layers = (model_a, model_b), (layers_a, layers_b)
-    if cotangents:
-        (returned_a, log_a, ct_a), (returned_b, log_b, ct_b) = _outputs_and_cotangents(
-            models, layers, args, kwargs, stepped
-        )
-    else:
-        (returned_a, log_a), (returned_b, log_b) = _outputs(models, layers, args, kwargs)
-        ct_a = ct_b = None
+    with outside_its_vmap("px.compare", run_on_a_batch):
+        if cotangents:
+            (returned_a, log_a, ct_a), (returned_b, log_b, ct_b) = _outputs_and_cotangents(
+                models, layers, args, kwargs, stepped
+            )
+        else:
+            (returned_a, log_a), (returned_b, log_b) = _outputs(models, layers, args, kwargs)
+            ct_a = ct_b = None
     # The differences are computed on the host: one transfer of every logged value, the
     # copies overlapping (on an accelerator), rather than a blocking copy per array.
     log_a, log_b, ct_a, ct_b = jax.device_get((log_a, log_b, ct_a, ct_b))

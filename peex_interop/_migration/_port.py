@@ -12,8 +12,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._diagnostics._sites import SiteRow
-from .._diagnostics._summary import summary
+from .._diagnostics._sites import SiteRow, find_sites
 from .._engine._errors import HookError, PortError
 from .._engine._kinds import INNER_KINDS
 from .._engine._paths import check_model, join
@@ -144,7 +143,7 @@ def port(
     if mapping is None:
         # The call sites of both models, found once: what px.align matches and what
         # holds state without parameters.
-        rows_src, rows_dst = summary(source, *inputs).rows, summary(destination, *inputs).rows
+        rows_src, rows_dst = (find_sites(model, inputs, {}, "px.port") for model in (source, destination))
         alignment = align_rows(rows_src, rows_dst, DEFAULT_KINDS)
         if alignment.unmatched or alignment.ambiguous or not alignment.mapping:
             raise _unmatched_error(alignment)

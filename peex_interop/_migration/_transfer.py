@@ -26,7 +26,7 @@ import jax.tree_util as jtu
 
 from .._adapters._equinox import equinox_layout, equinox_write
 from .._engine._context import HookContext, Site
-from .._engine._errors import HookError
+from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._engine._hooking import hooking
 from .._engine._layouts import Container, Layout, fit, fit_state, is_abstract, refuse
 from .._engine._paths import AbstractConverted, join, key_name, walk
@@ -62,7 +62,8 @@ def _called_modules(model: Any, inputs: tuple) -> dict[str, Any]:
         with hooking(model, policy) as context:
             return context.root(*inputs)
 
-    _shape_only(run, model, inputs)
+    with outside_its_vmap("transfer_params(..., inputs=)", run_on_a_batch):
+        _shape_only(run, model, inputs)
     return policy.modules
 
 
@@ -371,7 +372,8 @@ def transfer_params(
     if target.abstract:
         _check_filled(target)
     if inputs is not None and verify:
-        _verify(src, target.model, mapping, inputs, tolerance)
+        with outside_its_vmap("transfer_params(..., inputs=)", run_on_a_batch):
+            _verify(src, target.model, mapping, inputs, tolerance)
     return (target.model, target.state) if dst_state is not None else target.model
 
 
