@@ -201,6 +201,13 @@ def test_the_remedy_for_a_collective_over_the_batch_maps_the_model_itself():
     head = next(row for row in comparison.rows if row.path_a == "model.head")
     close(head.max_abs, jnp.max(jnp.abs(out_a - out_b)))
     assert px.compare(BatchedNormalised(a), BatchedNormalised(a), xs, state).first_divergence is None
+    # The transfer takes the states as arguments (px.port, only models holding theirs).
+    mapping = px.align(BatchedNormalised(a), BatchedNormalised(b), xs, state).mapping
+    ported, ported_state = px.transfer_params(
+        BatchedNormalised(a), BatchedNormalised(b), mapping, inputs=(xs, state), src_state=state, dst_state=state)
+    close(ported(xs, ported_state)[0], out_a)
+    with pytest.raises(px.HookError, match=r"'model.bn'.*eqx.nn.State.*src_state="):
+        px.port(BatchedNormalised(a), BatchedNormalised(b), xs, state)
 
 
 class TwiceNormalised(eqx.Module):

@@ -256,8 +256,8 @@ def equinox_layout(
         if state is None:
             raise refuse(
                 path,
-                "its running statistics are in an eqx.nn.State: hold the State in the model or pass it to "
-                "transfer_params",
+                "its running statistics are in an eqx.nn.State: hold the State in the model (a field of it; "
+                "px.port reads it only there) or pass it to transfer_params (src_state=, dst_state=)",
             )
         mean, var = _batch_norm_stats(module, state)
         params["mean"], params["var"] = Param(mean, params["mean"].axes), Param(var, params["var"].axes)
