@@ -206,6 +206,16 @@ class BatchedNormalised(eqx.Module):
         return jax.vmap(self.model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xs, state)
 
 
+def normalised(seed: int) -> tuple[Normalised, eqx.nn.State]:
+    """`(Normalised model, its eqx.nn.State)`: Linear 3 -> 4, BatchNorm over the vmap
+    axis "batch", Linear 4 -> 2, drawn from `seed`."""
+    keys = jax.random.split(jax.random.key(seed), 2)
+    return eqx.nn.make_with_state(Normalised)(
+        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
+        eqx.nn.Linear(4, 2, key=keys[1]),
+    )
+
+
 def slot_gradient_of_init_inside_the_vmap(model: Any, xs: Any) -> tuple[Any, Callable]:
     """For a per-example `model` whose layer `lin` feeds a collective over the vmap axis
     "batch" (a BatchNorm): assert that `px.BackwardHook.init` outside that vmap raises

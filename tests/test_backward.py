@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
-from models import MLP, BatchedNormalised, Deep, Normalised, close, tokens, transformer
+from models import MLP, BatchedNormalised, Deep, close, normalised, tokens, transformer
 
 
 def loss_of(output):
@@ -101,12 +101,8 @@ def test_backward_inside_vmap_is_per_example_not_summed():
 
 
 def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap():
-    keys = jax.random.split(jax.random.key(0), 3)
-    model, state = eqx.nn.make_with_state(Normalised)(
-        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
-        eqx.nn.Linear(4, 2, key=keys[1]),
-    )
-    xs = jax.random.normal(keys[2], (5, 3))
+    model, state = normalised(0)
+    xs = jax.random.normal(jax.random.key(2), (5, 3))
     hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where=["lin", "head"])
     # Outside the vmap, the axis name is unbound: the error says where to call init.
     with pytest.raises(px.HookError, match=r"outside the vmap.*batch.*filter_vmap"):
@@ -137,12 +133,8 @@ def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap()
 def test_a_layer_returning_its_state_from_the_equinox_batchnorm_idiom(pre_hook):
     # Every layer hooked, BatchNorm too: the state it takes and returns is no activation
     # (None in the log), and is returned from the vmap unbatched as the model does.
-    keys = jax.random.split(jax.random.key(3), 3)
-    inner, state = eqx.nn.make_with_state(Normalised)(
-        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
-        eqx.nn.Linear(4, 2, key=keys[1]),
-    )
-    model, xs = BatchedNormalised(inner), jax.random.normal(keys[2], (5, 3))
+    inner, state = normalised(3)
+    model, xs = BatchedNormalised(inner), jax.random.normal(jax.random.key(4), (5, 3))
 
     def loss(m, state):
         out, new_state = m(xs, state)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import peex_interop as px
-from models import BatchedNormalised, Normalised, close
+from models import BatchedNormalised, close, normalised
 
 KEYS = jax.random.split(jax.random.key(0), 6)
 X = jnp.array([0.5, -0.2, 0.3])
@@ -154,14 +154,6 @@ def test_non_array_log_leaves_cross_transforms_as_they_are(jit):
     for key in log:
         assert log[key]["name"] == "lin"
         close(log[key]["mean"], jnp.mean(jax.vmap(model.lin)(xs), axis=-1))
-
-
-def normalised(seed):
-    keys = jax.random.split(jax.random.key(seed), 2)
-    return eqx.nn.make_with_state(Normalised)(
-        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
-        eqx.nn.Linear(4, 2, key=keys[1]),
-    )
 
 
 def test_a_model_with_a_collective_over_its_batch_run_on_one_example_is_refused_with_the_remedy():
