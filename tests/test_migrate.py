@@ -64,6 +64,27 @@ def test_alignment_in_every_direction_then_transfer_and_compare(trio, a, b):
     assert px.compare(models[a], models[b], images, alignment=alignment).first_divergence.path_a == EXPECTED[a][0]
 
 
+def test_a_repeated_compare_compiles_nothing(trio):
+    # px.compare compiles its program itself (on CPU at another optimisation level than
+    # jax.jit's): the compiled program must still be reused, not rebuilt per call.
+    images, models = trio
+    alignment = px.align(models["haiku"], models["nnx"], images)
+    compiles = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    first = px.compare(models["haiku"], models["nnx"], images, alignment=alignment, cotangents=True)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        again = px.compare(models["haiku"], models["nnx"], images, alignment=alignment, cotangents=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    assert again.rows == first.rows
+
+
 def test_wrong_port_is_pinpointed(trio):
     images, models = trio
     mapping = px.align(models["haiku"], models["equinox"], images).mapping
