@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 import peex_interop as px
-from models import Deep, tokens, transformer
+from models import BatchedNormalised, Deep, normalised, tokens, transformer
 
 
 def activations():
@@ -307,6 +307,25 @@ def test_equinox_parameter_counts_match_hand_counts():
     assert px.total_params(eqx.nn.Conv2d(16, 32, 3, key=key)) == (16 * 32 * 9 + 32, 0)
     # LSTM: 4 gates x (input + hidden) weights, and one bias per gate unit.
     assert px.total_params(eqx.nn.LSTMCell(10, 20, key=key)) == (4 * 20 * (10 + 20) + 4 * 20, 0)
+
+
+def test_equinox_running_statistics_in_a_state_are_counted_from_it():
+    # eqx.nn.make_with_state moves a BatchNorm's running mean and variance out of the
+    # model into its State: the counts read them there, or refuse naming the layer.
+    model, state = normalised(0)
+    in_state = sum(x.size for x in jtu.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact))
+    assert in_state == 2 * 4  # running mean and variance over 4 features
+    trainable = (3 * 4 + 4) + (4 + 4) + (4 * 2 + 2)  # lin, bn's weight and bias, head
+    assert px.total_params(model, state) == (trainable, in_state)
+    with pytest.raises(px.HookError, match=r"px.total_params: the eqx.nn.StateIndex at 'bn\.[a-z_]+'.*none was given"):
+        px.total_params(model)
+    rows = {row.key: row for row in px.summary(BatchedNormalised(model), jnp.ones((5, 3)), state).rows}
+    assert (rows["model.bn"].trainable, rows["model.bn"].non_trainable) == (8, in_state)
+    assert rows["model"].non_trainable == in_state
+    assert px.summary(BatchedNormalised(model), jnp.ones((5, 3)), state).total == (trainable, in_state)
+    # Abstract layers (eval_shape) count their running statistics too.
+    abstract = eqx.filter_eval_shape(lambda: eqx.nn.BatchNorm(20, "batch", mode="batch"))
+    assert px.total_params(abstract) == (40, 40)
 
 
 def haiku_counts(fn, *inputs):

@@ -691,6 +691,23 @@ def test_stale_batch_norm_statistics_are_pinpointed():
 
 
 
+@pytest.mark.parametrize("make", [batch_norm, batch_norm_stack])
+def test_equinox_batch_norm_twins_count_their_running_statistics_as_nnx_does(make):
+    # The Equinox twins hold their eqx.nn.State as a field: its running statistics are
+    # non-trainable (read through the BatchNorm's StateIndex), never trainable.
+    x, models = make()
+    counts = {
+        lib: [(row.kind, row.trainable * row.stack_length, row.non_trainable * row.stack_length)
+              for row in px.summary(models[lib], x).rows if row.kind != "other"]
+        for lib in ("equinox", "nnx")
+    }
+    assert counts["equinox"] == counts["nnx"]
+    layers = 1 if make is batch_norm else 3
+    width = 5 if make is batch_norm else 4
+    assert px.total_params(models["equinox"]) == px.total_params(models["nnx"]) == (
+        layers * (4 * width + width + 2 * width), layers * 2 * width)
+
+
 def test_stack_steps_in_the_wrong_order_are_pinpointed():
     # The old bug: a scanned stack into or out of Equinox transferred step for the wrong step.
     x, models = conv_stack()()

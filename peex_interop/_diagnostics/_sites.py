@@ -7,31 +7,76 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
+from equinox.nn._stateful import _Sentinel  # pyright: ignore[reportPrivateImportUsage]
 
 from .._engine._context import HookContext, InnerCall, Site
-from .._engine._errors import outside_its_vmap, run_on_a_batch
+from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._engine._hooking import hooking
 from .._engine._kinds import INNER_KINDS
-from .._engine._paths import AbstractConverted, check_model
+from .._engine._paths import AbstractConverted, check_model, join, key_name
 from .._engine._selection import Kind, Selection
 
 
-def parameter_counts(tree: Any) -> tuple[int, int]:
+def parameter_counts(
+    tree: Any, state: eqx.nn.State | None = None, caller: str = "px.total_params", at: str = ""
+) -> tuple[int, int]:
     """(trainable, non-trainable) numbers of parameters of a pytree of Equinox modules
-    and converted models."""
-    # Equinox keeps running statistics (BatchNorm) as the initial values of StateIndex
-    # fields: they are not trained, so they are counted apart.
+    and converted models. The values of its Equinox stateful layers (a BatchNorm's
+    running statistics) are read from `state`, else from an `eqx.nn.State` inside
+    `tree`, else from the layers, which hold them until `eqx.nn.make_with_state` moves
+    them into a State (then refused, in the name of `caller`, naming the layer by its
+    path inside `tree`, which is at `at`)."""
+    # Equinox keeps running statistics (BatchNorm) as the values of StateIndex fields:
+    # they are not trained, so they are counted apart; a State's own leaves are those
+    # values again (a model holding its State), counted through their StateIndex.
+    is_leaf = lambda x: isinstance(x, (eqx.nn.StateIndex, AbstractConverted, eqx.nn.State))  # noqa: E731
+    leaves = jtu.tree_leaves_with_path(tree, is_leaf=is_leaf)
+    if state is None:
+        state = next((leaf for _, leaf in leaves if isinstance(leaf, eqx.nn.State)), None)
     trainable = other = 0
-    for leaf in jtu.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (eqx.nn.StateIndex, AbstractConverted))):
+    for path, leaf in leaves:
         if isinstance(leaf, AbstractConverted):
             t, o = leaf.parameter_counts()
             trainable, other = trainable + t, other + o
         elif isinstance(leaf, eqx.nn.StateIndex):
-            other += sum(x.size for x in jtu.tree_leaves(leaf) if eqx.is_inexact_array(x))
-        elif eqx.is_inexact_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            trainable += leaf.size
+            values = _state_values(leaf, join(at, *(key_name(key) for key in path)), state, caller)
+            other += sum(_float_size(x) for x in jtu.tree_leaves(values))
+        elif not isinstance(leaf, eqx.nn.State):
+            trainable += _float_size(leaf)
     return trainable, other
+
+
+def _float_size(leaf: Any) -> int:
+    if eqx.is_inexact_array(leaf):
+        return leaf.size
+    if isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return leaf.size
+    return 0
+
+
+def _state_values(index: eqx.nn.StateIndex, where: str, state: eqx.nn.State | None, caller: str) -> Any:
+    if state is not None:
+        try:
+            return state.get(index)
+        except KeyError:
+            pass  # a State of another model: the layer's own values, if it has them
+    if isinstance(index.init, _Sentinel):
+        given = "the eqx.nn.State given does not hold it" if state is not None else "none was given"
+        raise HookError(
+            f"{caller}: the eqx.nn.StateIndex at {where!r} (a stateful layer's values, e.g. running "
+            "statistics) keeps its values in an eqx.nn.State, as eqx.nn.make_with_state builds it, "
+            f"and {given}: pass the model's State (px.total_params(model, state); px.summary takes "
+            "it among the model's arguments)"
+        )
+    return index.init
+
+
+def state_among(args: Any) -> eqx.nn.State | None:
+    """The first `eqx.nn.State` among a call's arguments."""
+    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
+    return next((leaf for leaf in jtu.tree_leaves(args, is_leaf=is_state) if is_state(leaf)), None)
 
 
 def _shapes(tree: Any) -> Any:
@@ -117,7 +162,8 @@ class _SiteFinder:
 
     observes_values = False  # shapes, types and counts only: fine under any transform
 
-    def __init__(self, inner: bool = False):
+    def __init__(self, caller: str, inner: bool = False):
+        self.caller = caller
         self.found: dict[str, dict[str, Any]] = {}
         # Sites inside layers are selected where a selection names them: by kind.
         self.selection = Selection(where=("**", Kind(INNER_KINDS))) if inner else Selection()
@@ -126,14 +172,17 @@ class _SiteFinder:
         # Read before the call: a layer that updates an `eqx.nn.State` invalidates the
         # one it was given.
         args, kwargs = _shapes(site.args), _shapes(site.kwargs)
-        output = site.call(*site.args, **site.kwargs)
+        converted = isinstance(site.owner, AbstractConverted) and site.owner is not site.module
         if isinstance(site.module, InnerCall):
-            trainable, other = 0, 0  # a site inside a layer holds no parameters
-        # Converted models count a layer's parameters during its call only.
-        elif isinstance(site.owner, AbstractConverted) and site.owner is not site.module:
-            trainable, other = site.owner.layer_parameter_counts(site.module)
-        else:
-            trainable, other = parameter_counts(site.module)
+            counts = 0, 0  # a site inside a layer holds no parameters
+        elif not converted:
+            state = state_among((site.args, site.kwargs))
+            counts = parameter_counts(site.module, state, self.caller, at=site.path)
+        output = site.call(*site.args, **site.kwargs)
+        if converted:
+            # Converted models count a layer's parameters during its call only.
+            counts = site.owner.layer_parameter_counts(site.module)
+        trainable, other = counts
         self.found[site.key] = dict(
             key=site.key,
             path=site.path,
@@ -156,7 +205,7 @@ class _SiteFinder:
 def find_sites(model: Any, args: tuple, kwargs: dict, caller: str, inner: bool = False) -> tuple[SiteRow, ...]:
     """`px.sites`, refusing a model it cannot hook in the name of `caller`."""
     check_model(model, caller)
-    finder = _SiteFinder(inner)
+    finder = _SiteFinder(caller, inner)
 
     def run(model, args, kwargs):
         with hooking(model, finder) as context:

@@ -4,24 +4,29 @@
 import dataclasses
 from typing import Any
 
+import equinox as eqx
+
 from .._engine._paths import AbstractConverted
-from ._sites import SiteRow, find_sites, parameter_counts
+from ._sites import SiteRow, find_sites, parameter_counts, state_among
 from ._table import AbstractTabular, Table
 
 
-def total_params(model: Any) -> tuple[int, int]:
+def total_params(model: Any, state: eqx.nn.State | None = None) -> tuple[int, int]:
     """Numbers of parameters of a model of any of the three libraries.
 
     **Arguments:**
 
     - `model`: an `eqx.Module`, or a model from `px.from_haiku` / `px.from_nnx`.
+    - `state`: the `eqx.nn.State` of an Equinox model built by `eqx.nn.make_with_state`,
+        which keeps its stateful layers' values (running statistics): required for such
+        a model (else a `px.HookError` names the layer).
 
     **Returns:**
 
     `(trainable, non_trainable)`: e.g. `(352, 0)` for a linear layer 10 -> 32, `(40, 40)`
     for a BatchNorm over 20 features (its running mean and variance are not trained).
     """
-    return parameter_counts(model)
+    return parameter_counts(model, state)
 
 
 def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
@@ -90,7 +95,7 @@ def summary(model: Any, *args: Any, **kwargs: Any) -> Summary:
     A `Summary` (print it, or read `.rows`).
     """
     rows = find_sites(model, args, kwargs, "px.summary")
-    return Summary(type(model).__name__, rows, total_params(model))
+    return Summary(type(model).__name__, rows, parameter_counts(model, state_among((args, kwargs)), "px.summary"))
 
 
 def model_sizes(model: Any, *args: Any, **kwargs: Any) -> dict[str, tuple[tuple[int, ...], ...]]:
