@@ -14,6 +14,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 from equinox.nn import _attention as eqx_attention  # its module globals: how MHA calls jax
 
 from .._engine import _context, _inner_sites, _patching
@@ -187,6 +188,16 @@ def _transpose_facts(module: eqx.nn.ConvTranspose) -> dict:
     padding = module._padding_transpose() if module.padding_mode == "ZEROS" else module.padding_mode
     stride, dilation = tuple(module.stride), tuple(module.dilation)
     return {"groups": module.groups, "stride": stride, "dilation": dilation, "padding": padding}
+
+
+def is_state(x: Any) -> bool:
+    return isinstance(x, eqx.nn.State)
+
+
+def states_in(tree: Any) -> list[eqx.nn.State]:
+    """The `eqx.nn.State`s in `tree`: a model holding its State as a field, or a call's
+    arguments."""
+    return [leaf for leaf in jtu.tree_leaves(tree, is_leaf=is_state) if is_state(leaf)]
 
 
 def _batch_norm_stats(module: eqx.nn.BatchNorm, state: eqx.nn.State) -> tuple[Any, Any]:

@@ -35,7 +35,7 @@ from .._engine import _context, _inner_sites, _patching, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse
-from .._engine._paths import AbstractConverted
+from .._engine._paths import AbstractConverted, float_size
 from ._nnx import flax_transpose_spec
 from ._replace import replace
 
@@ -83,14 +83,10 @@ LINEN_KINDS: dict[type, str] = {
 _OUTPUT_COLLECTIONS = ("intermediates",)
 
 
-def _size(tree: Any) -> int:
-    return sum(leaf.size for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact))
-
-
 def _counts(variables: Mapping[str, Any]) -> tuple[int, int]:
-    trainable = _size(variables.get("params", {}))
+    trainable = float_size(variables.get("params", {}))
     other = sum(
-        _size(tree) for name, tree in variables.items()
+        float_size(tree) for name, tree in variables.items()
         if name != "params" and name not in _OUTPUT_COLLECTIONS
     )
     return trainable, other

@@ -7,15 +7,15 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox.nn._stateful import _Sentinel  # pyright: ignore[reportPrivateImportUsage]
 
+from .._adapters._equinox import is_state, states_in
 from .._engine._context import HookContext, InnerCall, Site
 from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._engine._hooking import hooking
 from .._engine._kinds import INNER_KINDS
-from .._engine._paths import AbstractConverted, check_model, join, key_name
+from .._engine._paths import AbstractConverted, check_model, float_size, join, key_name
 from .._engine._selection import Kind, Selection
 
 
@@ -34,7 +34,7 @@ def parameter_counts(
     is_leaf = lambda x: isinstance(x, (eqx.nn.StateIndex, AbstractConverted, eqx.nn.State))  # noqa: E731
     leaves = jtu.tree_leaves_with_path(tree, is_leaf=is_leaf)
     if state is None:
-        state = next((leaf for _, leaf in leaves if isinstance(leaf, eqx.nn.State)), None)
+        state = next((leaf for _, leaf in leaves if is_state(leaf)), None)
     trainable = other = 0
     for path, leaf in leaves:
         if isinstance(leaf, AbstractConverted):
@@ -42,18 +42,10 @@ def parameter_counts(
             trainable, other = trainable + t, other + o
         elif isinstance(leaf, eqx.nn.StateIndex):
             values = _state_values(leaf, join(at, *(key_name(key) for key in path)), state, caller)
-            other += sum(_float_size(x) for x in jtu.tree_leaves(values))
-        elif not isinstance(leaf, eqx.nn.State):
-            trainable += _float_size(leaf)
+            other += float_size(values)
+        elif not is_state(leaf):
+            trainable += float_size(leaf)
     return trainable, other
-
-
-def _float_size(leaf: Any) -> int:
-    if eqx.is_inexact_array(leaf):
-        return leaf.size
-    if isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(leaf.dtype, jnp.inexact):
-        return leaf.size
-    return 0
 
 
 def _state_values(index: eqx.nn.StateIndex, where: str, state: eqx.nn.State | None, caller: str) -> Any:
@@ -73,10 +65,9 @@ def _state_values(index: eqx.nn.StateIndex, where: str, state: eqx.nn.State | No
     return index.init
 
 
-def state_among(args: Any) -> eqx.nn.State | None:
-    """The first `eqx.nn.State` among a call's arguments."""
-    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
-    return next((leaf for leaf in jtu.tree_leaves(args, is_leaf=is_state) if is_state(leaf)), None)
+def state_among(tree: Any) -> eqx.nn.State | None:
+    """The first `eqx.nn.State` in `tree` (a call's arguments, a model)."""
+    return next(iter(states_in(tree)), None)
 
 
 def _shapes(tree: Any) -> Any:

@@ -5,6 +5,8 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import HookError
@@ -122,6 +124,15 @@ class AbstractConverted(eqx.Module):
         The module itself by default (a Haiku module holds no arrays).
         """
         return module
+
+
+def float_size(tree: Any) -> int:
+    """The number of floating-point values in the arrays (or `jax.ShapeDtypeStruct`s, of
+    an abstract model) of `tree`: what a parameter count counts."""
+    return sum(
+        leaf.size for leaf in jtu.tree_leaves(tree)
+        if (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    )
 
 
 def join(*parts: str) -> str:

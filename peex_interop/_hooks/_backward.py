@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
+from .._adapters._equinox import is_state
 from .._engine._batching import per_example
 from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
 from .._engine._errors import HookError, TransformError, outside_its_vmap
@@ -162,8 +163,8 @@ class BackwardHook(AbstractHookWrapper):
         # it bypasses the slot, its cotangent flowing back unchanged, and stays as
         # batched as the model made it (the Equinox idiom returns it from its vmap with
         # `out_axes=None`).
-        states, value = eqx.partition(value, _is_state, is_leaf=_is_state)
-        return eqx.combine(self._attach_to(context, site, value), states, is_leaf=_is_state)
+        states, value = eqx.partition(value, is_state, is_leaf=is_state)
+        return eqx.combine(self._attach_to(context, site, value), states, is_leaf=is_state)
 
     def _attach_to(self, context: HookContext, site: Site, value: Any) -> Any:
         # Only floating-point leaves have a cotangent (JAX gives the others a float0
@@ -306,7 +307,3 @@ def _cotangent_probe_bwd(residuals, cotangent, perturbed, value_and_slot, hook_f
         if one_step:
             logged = jtu.tree_map(lambda log: jnp.where(active, log, jnp.zeros_like(log)), logged)
     return edited, logged, eqx.filter(steps, eqx.is_inexact_array)  # no cotangent for the flags
-
-
-def _is_state(x: Any) -> bool:
-    return isinstance(x, eqx.nn.State)

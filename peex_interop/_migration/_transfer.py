@@ -24,7 +24,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .._adapters._equinox import equinox_layout, equinox_write
+from .._adapters._equinox import equinox_layout, equinox_write, states_in
 from .._engine._context import HookContext, Site
 from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._engine._hooking import hooking
@@ -84,11 +84,6 @@ def _shape_only(fn: Any, *args: Any) -> Any:
     return eqx.combine(shapes, kept[0])
 
 
-def _states(model: Any) -> list[eqx.nn.State]:
-    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
-    return [leaf for leaf in jtu.tree_leaves(model, is_leaf=is_state) if is_state(leaf)]
-
-
 @dataclasses.dataclass
 class _Side:
     """One model of a transfer: where its layers are, and the Equinox `State` holding
@@ -105,7 +100,7 @@ class _Side:
 
     @classmethod
     def make(cls, model: Any, state: Any, inputs: tuple | None) -> "_Side":
-        held = _states(model)
+        held = states_in(model)
         abstract = bool(_unfilled(model, state))
         if state is None and len(held) == 1:
             return cls(model, held[0], {}, True, abstract).with_modules(inputs)
@@ -175,7 +170,7 @@ class _Side:
             new, state = equinox_write(node, path, layer_values, parent, field, self.state)
             if state is not self.state:
                 if self.held:
-                    self.model = eqx.tree_at(lambda m: _states(m)[0], self.model, state)
+                    self.model = eqx.tree_at(lambda m: states_in(m)[0], self.model, state)
                 self.state = state
             self._replace(prefix, node, new)
         for prefix, layers in converted.items():
