@@ -164,6 +164,23 @@ class Untreaded(eqx.Module):
         return jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, self.lin(c[1])), (0, xs))[1]
 
 
+def test_a_vmap_given_a_keyword_argument_its_in_axes_cannot_map_raises_as_jax_does():
+    # Keyword arguments of a vmapped call are mapped along axis 0 whatever in_axes says:
+    # a scalar one is JAX's to refuse, with the same message hooked as unhooked.
+    class Scaled(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, xs, scale):
+            return jax.vmap(lambda x, scale: self.lin(x) * scale, in_axes=(0, None))(xs, scale=scale)
+
+    model, xs = Scaled(eqx.nn.Linear(3, 2, key=jax.random.key(0))), jnp.ones((4, 3))
+    match = "keyword arguments are always mapped along their leading axis"
+    with pytest.raises(ValueError, match=match):
+        model(xs, jnp.float32(2))
+    with pytest.raises(ValueError, match=match):
+        px.ForwardHook(model, log_fn=px.IdentityLog())(xs, jnp.float32(2))
+
+
 def test_untreaded_transform_raises_naming_the_layer():
     model = Untreaded(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
     xs = jnp.ones(3)

@@ -272,7 +272,10 @@ def _mapped_size(in_axes: Any, args: tuple, kwargs: dict, axis_size: int | None)
 
     def visit(axis: Any, tree: Any) -> None:
         if axis is not None:
-            sizes.extend(jnp.shape(leaf)[axis] for leaf in jtu.tree_leaves(tree))
+            # A leaf without that axis is for the real vmap to refuse, in its own words.
+            sizes.extend(
+                jnp.shape(leaf)[axis] for leaf in jtu.tree_leaves(tree) if -jnp.ndim(leaf) <= axis < jnp.ndim(leaf)
+            )
 
     per_arg = in_axes if isinstance(in_axes, (tuple, list)) else [in_axes] * len(args)
     for axis, arg in zip(per_arg, args):
