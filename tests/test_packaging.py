@@ -85,6 +85,20 @@ def test_adapter_names_load_on_first_use(name):
     assert value.__module__ == f"peex_interop{LAZY[name][0]}"
 
 
+# Every library's adapter, and the modules its adapters share (`_flax`: both Flax APIs').
+ADAPTERS = {"_equinox", "_function", "_haiku", "_linen", "_nnx"}
+
+
+@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
+def test_no_adapter_imports_another(adapter):
+    tree = ast.parse((PACKAGE / "_adapters" / f"{adapter}.py").read_text())
+    imported = {
+        node.module for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+    }
+    assert not imported & (ADAPTERS - {adapter}), imported & ADAPTERS
+
+
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'from_keras'"):
         px.from_keras  # noqa: B018

@@ -36,7 +36,7 @@ from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse
 from .._engine._paths import AbstractConverted, float_size
-from ._nnx import flax_transpose_spec
+from ._flax import flax_transpose_spec
 from ._replace import replace
 
 Path = tuple[str, ...]

@@ -37,15 +37,14 @@ from .._engine._kinds import kind_of
 from .._engine._layouts import (
     Container,
     Layout,
-    Param,
     axes,
     context_mesh,
-    lax_transpose_padding,
     placed,
     put_like,
     refuse,
 )
 from .._engine._paths import AbstractConverted
+from ._flax import flax_transpose_spec
 
 Path = tuple[str, ...]
 
@@ -463,32 +462,6 @@ def _nnx_spec(layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str
         }
         return "gru", spec, {"gate": ("r", "z", "n")}, {}
     raise refuse(path, f"no known parameter layout for {type(layer).__name__}")
-
-
-def flax_transpose_spec(layer: Any, dims: int) -> tuple[dict, dict, dict]:
-    """({name: axes or Param template}, orders, facts) of an NNX or linen `ConvTranspose`: its kernel is run
-    unflipped over the input dilated by the stride, or with `transpose_kernel=True`
-    stored (*window, out, in) and spatially flipped."""
-    window = tuple(f"window{i}" for i in range(dims))
-    ones = (1,) * dims
-
-    def spread(value: Any) -> tuple[int, ...]:
-        return ones if value is None else (value,) * dims if isinstance(value, int) else tuple(value)
-
-    kernel_size, strides, dilation = spread(layer.kernel_size), spread(layer.strides), spread(layer.kernel_dilation)
-    padding = layer.padding
-    if isinstance(padding, int):
-        padding = [(padding, padding)] * dims
-    elif not isinstance(padding, str):
-        padding = [(p, p) if isinstance(p, int) else p for p in padding]
-    if padding != "CIRCULAR":
-        padding = lax_transpose_padding(kernel_size, strides, dilation, padding)
-    facts = {"groups": 1, "stride": strides, "dilation": dilation, "padding": padding}
-    if layer.transpose_kernel:
-        kernel = Param(None, axes(*window, "out", "in"), flipped=window)
-    else:
-        kernel = Param(None, axes(*window, "in", "out"))
-    return {"kernel": kernel, "bias": axes("out")}, {}, facts
 
 
 def _variable(layer: nnx.Module, dotted: str) -> Any:

@@ -1,0 +1,32 @@
+"""What both Flax APIs share, linen's and NNX's adapters alike: the parameter layout
+of their `ConvTranspose` (one module, one implementation in Flax)."""
+
+from typing import Any
+
+from .._engine._layouts import Param, axes, lax_transpose_padding
+
+
+def flax_transpose_spec(layer: Any, dims: int) -> tuple[dict, dict, dict]:
+    """({name: axes or Param template}, orders, facts) of an NNX or linen `ConvTranspose`: its kernel is run
+    unflipped over the input dilated by the stride, or with `transpose_kernel=True`
+    stored (*window, out, in) and spatially flipped."""
+    window = tuple(f"window{i}" for i in range(dims))
+    ones = (1,) * dims
+
+    def spread(value: Any) -> tuple[int, ...]:
+        return ones if value is None else (value,) * dims if isinstance(value, int) else tuple(value)
+
+    kernel_size, strides, dilation = spread(layer.kernel_size), spread(layer.strides), spread(layer.kernel_dilation)
+    padding = layer.padding
+    if isinstance(padding, int):
+        padding = [(padding, padding)] * dims
+    elif not isinstance(padding, str):
+        padding = [(p, p) if isinstance(p, int) else p for p in padding]
+    if padding != "CIRCULAR":
+        padding = lax_transpose_padding(kernel_size, strides, dilation, padding)
+    facts = {"groups": 1, "stride": strides, "dilation": dilation, "padding": padding}
+    if layer.transpose_kernel:
+        kernel = Param(None, axes(*window, "out", "in"), flipped=window)
+    else:
+        kernel = Param(None, axes(*window, "in", "out"))
+    return {"kernel": kernel, "bias": axes("out")}, {}, facts
