@@ -54,3 +54,19 @@ def test_names_matching_nothing_raise_with_closest_paths(kwargs, message):
         px.ForwardHook(model, **kwargs)
     with pytest.raises(px.HookError, match=message):
         px.BackwardHook(model, **kwargs)
+
+
+def test_every_builtin_pool_and_activation_has_its_kind():
+    class Net(eqx.Module):
+        pool: eqx.nn.MaxPool2d
+        adaptive: eqx.nn.AdaptiveAvgPool2d
+        act: eqx.nn.PReLU
+
+        def __call__(self, x):
+            return self.act(self.adaptive(self.pool(x)))
+
+    model, x = Net(eqx.nn.MaxPool2d(2, 2), eqx.nn.AdaptiveAvgPool2d((2, 2)), eqx.nn.PReLU()), jnp.ones((1, 8, 8))
+    log = px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.kind("pool"))(x)[1]
+    assert set(log) == {"pool", "adaptive"}
+    assert jnp.array_equal(log["adaptive"], model.adaptive(model.pool(x)))
+    assert set(px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.kind("activation"))(x)[1]) == {"act"}

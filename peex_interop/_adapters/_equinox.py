@@ -38,7 +38,9 @@ EQUINOX_KINDS: dict[type, str] = {
     eqx.nn.LSTMCell: "recurrent",
     eqx.nn.GRUCell: "recurrent",
     eqx.nn.Pool: "pool",
+    eqx.nn.AdaptivePool: "pool",
     eqx.nn.Lambda: "activation",
+    eqx.nn.PReLU: "activation",
     eqx.nn.Sequential: "container",
     eqx.nn.MLP: "container",
 }
