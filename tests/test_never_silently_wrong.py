@@ -237,3 +237,47 @@ def test_a_logged_state_outlives_the_call_that_updates_it(logs):
     else:
         rows(log["bn"], (h, first))
         rows(log["bn@1"], (y, second))
+
+
+class ClosedOverState(eqx.Module):
+    """A SpectralNorm (which updates its power iteration in an eqx.nn.State) whose State
+    a transform body closes over: the engine runs such bodies abstractly first."""
+
+    lin: eqx.nn.Linear
+    norm: eqx.nn.SpectralNorm
+    transform: str = eqx.field(static=True)
+
+    def __call__(self, xs, state):
+        body = lambda x: self.norm(self.lin(x), state)[0]
+        if self.transform == "cond":
+            return jax.lax.cond(xs[0, 0] > 0, lambda xs: jax.vmap(body)(xs), lambda xs: jax.vmap(self.lin)(xs), xs)
+        if self.transform == "scan":
+            return jax.lax.scan(lambda c, x: (c, body(x)), 0.0, xs)[1]
+        return jax.vmap(body)(xs)
+
+
+@pytest.mark.parametrize("transform", ["cond", "vmap", "scan"])
+def test_a_state_closed_over_by_a_transform_body_survives_the_engines_shape_passes(transform):
+    keys = jax.random.split(jax.random.key(0), 3)
+    model, state = eqx.nn.make_with_state(ClosedOverState)(
+        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.SpectralNorm(eqx.nn.Linear(4, 4, key=keys[1]), "weight", key=keys[2]),
+        transform,
+    )
+    xs = jnp.abs(jax.random.normal(jax.random.key(1), (5, 3)))
+    fresh = lambda: jax.tree.map(lambda a: a, state)  # a call spends the State it is given
+    out, log = px.ForwardHook(model, log_fn=px.IdentityLog())(xs, fresh())
+    close(out, model(xs, fresh()))
+    close(log["lin"], jax.vmap(model.lin)(xs))
+
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where="lin")
+    given = fresh()
+    hooked = hooked.init(xs, given)
+    model(xs, given)  # init left the State it was given unspent
+    grads = eqx.filter_grad(lambda h: jnp.sum(jnp.sin(h(xs, fresh())) ** 2))(hooked)
+
+    def rest(h):  # the computation after lin, as the model runs it
+        return jnp.sum(jnp.sin(jax.vmap(lambda y: model.norm(y, fresh())[0])(h)) ** 2)
+
+    close(grads.log["lin"], jax.grad(rest)(jax.vmap(model.lin)(xs)))
+    plain = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(m(xs, fresh())) ** 2))(model)
+    jax.tree.map(close, eqx.filter(grads.model, eqx.is_inexact_array), eqx.filter(plain, eqx.is_inexact_array))

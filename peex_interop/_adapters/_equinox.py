@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox.nn import _attention as eqx_attention  # its module globals: how MHA calls jax
 
-from .._engine import _context, _inner_sites, _patching
+from .._engine import _context, _inner_sites, _patching, _shape_pass
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, put_like, refuse
 from .._engine._paths import AbstractTransparent, children, join, walk
@@ -118,6 +118,46 @@ def class_patches(types: Iterable[type]) -> list[tuple[Any, str, Any]]:
     if any(issubclass(cls, eqx.nn.MultiheadAttention) for cls in types):
         patches.append((eqx_attention, "jax", _attention_jax))
     return patches
+
+
+# -- shape-only passes ------------------------------------------------------------------
+# `eqx.nn.State.set` and `update` return a new State and mark the one they were called
+# on as spent ("Attempted to use old state"). A body the engine runs abstractly first
+# (`_engine/_shape_pass.py`) would spend a State it closes over, or that was passed to
+# `BackwardHook.init`, before the real run uses it. The States spent in this thread's
+# innermost pass, to hand back when it ends:
+_spent = _context.ThreadStack()
+
+
+def _keeping_spent(original: Callable) -> Callable:
+    def spend(self: eqx.nn.State, *args: Any, **kwargs: Any) -> eqx.nn.State:
+        if _spent.items:  # only this thread's passes: other threads' calls fall through
+            _spent.items[-1].append((self, self._state))
+        return original(self, *args, **kwargs)
+
+    return spend
+
+
+def _save_equinox_states() -> Callable[[], None]:
+    spent: list[tuple[eqx.nn.State, Any]] = []
+    patches = _patching.patched(
+        [(eqx.nn.State, "set", _keeping_spent), (eqx.nn.State, "update", _keeping_spent)]
+    )
+    patches.__enter__()
+    _spent.items.append(spent)
+
+    def restore() -> None:
+        try:
+            for state, contents in reversed(spent):
+                state._state = contents
+        finally:
+            _spent.items.pop()
+            patches.__exit__(None, None, None)
+
+    return restore
+
+
+_shape_pass.register(_save_equinox_states)
 
 
 # -- parameter layouts (px.transfer_params) ------------------------------------------
