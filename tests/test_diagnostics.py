@@ -46,6 +46,40 @@ def test_statistics_equal_numpy(log, reference):
         np.testing.assert_allclose(got[key], reference(np.asarray(x)), rtol=1e-5)
 
 
+FLOAT_MAX = float(np.finfo(np.float32).max)
+
+
+class IdentityRows(eqx.Module):
+    inner: eqx.nn.Identity
+
+    def __call__(self, xs):
+        return jax.vmap(self.inner)(xs)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [np.inf, 1.0, 2.0], [-np.inf, 1.0], [1.0, np.inf, 2.0], [np.nan, 1.0], [-np.inf, np.inf],
+        [3e38, 1.0, 2.0], [-2e38, 1.0, 3.0], [1e30, 1e30], [1e4 + 0.01, 1e4, 1e4 - 0.01],
+    ],
+)
+def test_statistics_of_non_finite_and_huge_values_are_exact(values):
+    # The sums are shifted by the first value: one not finite, or large enough for the
+    # shifted values to overflow, must not change what the statistics say. Against
+    # float64; a variance past float32's range is inf (and so its std).
+    x = np.asarray(values, np.float32)
+    rows = np.stack([x, x[::-1]])  # pooled over the vmap inside the model: each row its own first value
+    hooked = px.ForwardHook(IdentityRows(eqx.nn.Identity()), log_fn=px.activation_stats(bins=4))
+    with np.errstate(all="ignore"):
+        for of in (x[None], rows):
+            log = hooked(jnp.asarray(of))[1]["inner"]
+            exact = of.astype(np.float64)
+            var = np.var(exact)
+            np.testing.assert_allclose(log["mean"], np.mean(exact).astype(np.float32), rtol=1e-6)
+            np.testing.assert_allclose(log["std"], np.inf if var > FLOAT_MAX else np.sqrt(var), rtol=1e-5)
+            np.testing.assert_allclose(log["near_zero"], np.mean(of <= 0.05))
+
+
 def assert_counts_every_value(histogram, x):
     assert int(histogram.total) == x.size
     finite = x[np.isfinite(x)]

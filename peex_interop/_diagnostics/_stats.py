@@ -50,15 +50,23 @@ class _Sums:
     """The sums over an array of the terms its statistics need (`_terms_of`), each
     computed once for all of them (the mean's and the variance's share the centred
     values). The values are shifted by one of them so that a mean large against the
-    spread does not cancel the variance away, and summed in float32 at least. One
-    reduction per term: stacking the terms into one reduction measured slower on CPU
-    (XLA then writes the stacked terms out, 3x the layer's values)."""
+    spread does not cancel the variance away, and summed in float32 at least. The shift
+    is the first value, or 0 where that one is not finite (a masked -inf logit would
+    make every shifted value NaN) or so large that shifting by it could overflow (beyond
+    `eps * max` of the dtype: far from the others' sign, the difference would pass
+    `max`). One reduction per term: stacking the terms into one reduction measured
+    slower on CPU (XLA then writes the stacked terms out, 3x the layer's values), and so
+    did one variadic reduction of all terms (XLA:CPU then loops over them unvectorised:
+    17 µs a layer of 16,384 values instead of 13)."""
 
     def __init__(self, x: Any, terms: tuple[Hashable, ...]):
         self.dtype, self.size = x.dtype, x.size
         total = jnp.promote_types(x.dtype, jnp.float32)
         values = x.astype(total)
-        self.shift = lax.stop_gradient(jnp.ravel(values)[0]) if x.size else jnp.zeros((), total)
+        self.shift = jnp.zeros((), total)
+        if x.size:
+            first, info = lax.stop_gradient(jnp.ravel(values)[0]), jnp.finfo(total)
+            self.shift = jnp.where(jnp.abs(first) <= info.max * info.eps, first, self.shift)
         centred = values - self.shift
 
         def term(name: Any) -> Any:
@@ -79,7 +87,11 @@ class _Sums:
         return (self._per_value("centred") + self.shift).astype(self.dtype)
 
     def var(self) -> Any:
-        var = self._per_value("centred squares") - self._per_value("centred") ** 2
+        centred = self._per_value("centred")
+        var = self._per_value("centred squares") - centred**2
+        # A finite mean means finite values: a NaN here is squares past `max` minus
+        # squares past `max`, a variance beyond the float range.
+        var = jnp.where(jnp.isnan(var) & jnp.isfinite(centred), jnp.inf, var)
         return jnp.maximum(var, 0).astype(self.dtype)
 
     def fraction(self, threshold: float) -> Any:
