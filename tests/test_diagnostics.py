@@ -80,6 +80,16 @@ def test_statistics_of_non_finite_and_huge_values_are_exact(values):
             np.testing.assert_allclose(log["near_zero"], np.mean(of <= 0.05))
 
 
+def test_a_spread_of_complex_values_is_refused_and_their_mean_logged():
+    # The variance's sums square the values (no conjugate): a std of complex values
+    # would be silently wrong (was 0j for [1+2j, 3-1j], numpy's std 1.80).
+    x = jnp.array([1 + 2j, 3 - 1j])
+    np.testing.assert_allclose(px.StatsLog({"mean": px.MeanLog()})(x)["mean"], np.mean(np.asarray(x)))
+    for log in (px.StdLog(), px.NearZeroLog(), px.activation_stats()):
+        with pytest.raises(TypeError, match=r"take real arrays, got complex64\[2\]: log jnp.abs\(x\)"):
+            log(x)
+
+
 def assert_counts_every_value(histogram, x):
     assert int(histogram.total) == x.size
     finite = x[np.isfinite(x)]
