@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import equinox as eqx
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +192,27 @@ def test_untreaded_transform_raises_naming_the_layer():
         px.ForwardHook(model, hook_fn=lambda y: 2 * y)(xs)
     # A selection that leaves the layer out runs.
     close(px.ForwardHook(model, hook_fn=lambda y: 2 * y, where=lambda path, module: False)(xs)[0], model(xs))
+
+
+class BoundedLoop(eqx.Module):
+    lin: eqx.nn.Linear
+    kind: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        body = lambda c: (c[0] + 1, jnp.tanh(self.lin(c[1])))
+        return eqxi.while_loop(lambda c: c[0] < 3, body, (0, x), max_steps=5, kind=self.kind)[1]
+
+
+def test_equinox_bounded_while_loops_log_each_step_padded_and_other_kinds_are_refused():
+    # Nested scans of a cond: a row per step of the scans, zeros where no step ran.
+    model, x = BoundedLoop(eqx.nn.Linear(3, 3, key=jax.random.key(0)), "bounded"), jnp.linspace(-1.0, 1.0, 3)
+    out, log = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    steps, h = [], x
+    for _ in range(3):
+        steps.append(model.lin(h))
+        h = jnp.tanh(steps[-1])
+    assert jnp.array_equal(out, model(x))
+    assert log["lin"].shape == (16, 3)
+    assert jnp.allclose(log["lin"][:3], jnp.stack(steps)) and not jnp.any(log["lin"][3:])
+    with pytest.raises(px.TransformError, match=r"\['lin'\].*while_loop"):
+        px.ForwardHook(BoundedLoop(model.lin, "checkpointed"), log_fn=px.IdentityLog())(x)
