@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import zephyr._nets.mlp
 from zephyr.building.tracing import trace
-from zephyr.nets import dropout, layer_norm, linear, mlp, multi_head_self_attention, token_embed
+from zephyr.functools.partial import placeholder_hole as hole
+from zephyr.nets import dropout, layer_norm, linear, mlp, multi_head_self_attention, sequential, token_embed
 
 import peex_interop as px
 from models import close, while_hooked_elsewhere
@@ -367,3 +368,124 @@ def test_a_conv_transpose_function_is_refused_not_read_as_a_conv():
     conv = _Upsampler(eqx.nn.Conv1d(3, 4, 3, use_bias=False, key=jax.random.key(1)))
     with pytest.raises(px.HookError, match=r"'up'.*conv-transpose"):
         px.transfer_params(model, conv, {"up": "up"}, inputs=(x,))
+
+
+# -- names that must not be read two ways -----------------------------------------------------
+def _scanned_mlps(params, x):
+    return jax.lax.scan(lambda h, p: (h + mlp(p, h, [3, 3]), None), x, params["blocks"])[0]
+
+
+def test_an_integer_params_key_under_a_stack_is_not_also_read_as_a_step():
+    # zephyr's mlp params have integer keys: `blocks.0` is linear 0 of the scanned mlp,
+    # and would also read as step 0 of the stack `blocks`.
+    k = jax.random.split(jax.random.key(0), 2)
+    params = {"blocks": {i: {"weights": jax.random.normal(k[i], (2, 3, 3)), "bias": jnp.full((2, 3), 0.1 * i)}
+                         for i in range(2)}}
+    model = from_function(_scanned_mlps, params, layers=[mlp, linear])
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    jitted = eqx.filter_jit(lambda hooked, x: hooked(x))
+    for call in (lambda hooked, x: hooked(x), jitted):
+        for hooks in (dict(log_fn=px.IdentityLog()), dict(hook_fn=lambda y: 0 * y)):
+            with pytest.raises(px.HookError, match=r"'blocks\.0' names two calls.*'blocks\.0'.*'blocks'"):
+                call(px.ForwardHook(model, where="blocks.0", **hooks), x)
+        with pytest.raises(px.HookError, match="names two calls"):
+            px.BackwardHook(model, log_fn=px.IdentityLog(), where="blocks.0").init(x)
+    # The layer alone, at every step, as the error says.
+    linear_0 = lambda path, layer: path == "blocks.0"
+    _, log = jitted(px.ForwardHook(model, log_fn=px.IdentityLog(), where=linear_0), x)
+    h, expected = x, []
+    for step in range(2):
+        p = jax.tree.map(lambda a: a[step], params["blocks"])
+        expected.append(linear(p[0], h, 3))
+        h = h + mlp(p, h, [3, 3])
+    close(log["blocks.0"], jnp.stack(expected))
+    out, _ = px.ForwardHook(model, hook_fn=lambda y: 0 * y, where=linear_0)(x)
+    zeroed = {"blocks": {**params["blocks"], 0: jax.tree.map(jnp.zeros_like, params["blocks"][0])}}
+    close(out, _scanned_mlps(zeroed, x))
+
+
+def _tied(params, x):
+    return linear(params["dec"], jnp.tanh(linear(params["enc"], x, 3)), 3)
+
+
+def test_one_params_subtree_at_two_paths_is_two_layers_eager_as_under_jit():
+    shared = {"weights": jax.random.normal(jax.random.key(0), (3, 3)), "bias": jnp.full(3, 0.1)}
+    model = from_function(_tied, {"enc": shared, "dec": shared}, layers=[linear])
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    enc = linear(shared, x, 3)
+    for call in (lambda hooked, x: hooked(x), eqx.filter_jit(lambda hooked, x: hooked(x))):
+        _, log = call(px.ForwardHook(model, log_fn=px.IdentityLog()), x)
+        assert set(log) == {"enc", "dec"}
+        close(log["enc"], enc)
+        close(log["dec"], linear(shared, jnp.tanh(enc), 3))
+        out, log = call(px.ForwardHook(model, hook_fn=lambda y: y + 1, log_fn=px.IdentityLog(), where="enc"), x)
+        assert set(log) == {"enc"}
+        close(out, linear(shared, jnp.tanh(enc + 1), 3))
+        _, log = call(px.ForwardHook(model, log_fn=px.IdentityLog(), where="dec"), x)
+        assert set(log) == {"dec"}
+
+
+def _matmul(params, x):
+    return x @ params["w"]
+
+
+def _scanned_matmuls(params, x):
+    return jax.lax.scan(lambda h, p: (_matmul(p["b"], _matmul(p["a"], h)), None), x, params["blocks"])[0]
+
+
+def test_tied_arrays_that_nothing_tells_apart_are_an_error_not_one_name():
+    w = jax.random.normal(jax.random.key(0), (2, 3, 3))
+    model = from_function(_scanned_matmuls, {"blocks": {"a": {"w": w}, "b": {"w": w}}}, layers=[_matmul])
+    x = jnp.ones((1, 3))
+    # Under jit each path is its own tracer; eagerly, the scan's inputs are one array.
+    _, log = eqx.filter_jit(lambda hooked, x: hooked(x))(px.ForwardHook(model, log_fn=px.IdentityLog()), x)
+    assert set(log) == {"blocks.a", "blocks.b"}
+    with pytest.raises(px.HookError, match=r"'_matmul'.*several paths.*'blocks\.a', 'blocks\.b'"):
+        px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+
+
+# -- zephyr's placeholder partials -------------------------------------------------------------
+def _sequential(params, x):
+    return sequential(params["seq"], x, [linear(hole, hole, 6), layer_norm(hole, hole, -1), linear(hole, hole, 3)])
+
+
+def test_a_placeholder_partial_is_hooked_where_it_gets_its_params():
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    params = trace(_sequential, jax.random.key(0), x)
+    model = from_function(_sequential, params, layers=[linear, layer_norm, sequential])
+    # zephyr's sequential threads the params as params[1], params[0][2], params[0][1].
+    seq = params["seq"]
+    expected = {"seq.1": linear(seq[1], x, 6)}
+    expected["seq.0.2"] = layer_norm(seq[0][2], expected["seq.1"], -1)
+    expected["seq.0.1"] = expected["seq"] = linear(seq[0][1], expected["seq.0.2"], 3)
+    _, log = eqx.filter_jit(lambda hooked, x: hooked(x))(px.ForwardHook(model, log_fn=px.IdentityLog()), x)
+    assert set(log) == set(expected)
+    jax.tree.map(close, log, expected)
+    assert set(px.ForwardHook(model, log_fn=px.MeanStdLog())(x)[1]) == set(expected)
+    assert [row.path for row in px.summary(model, x).rows] == ["seq.1", "seq.0.2", "seq.0.1", "seq"]
+    grads = eqx.filter_grad(lambda hooked: jnp.sum(hooked(x) ** 2))(
+        px.BackwardHook(model, log_fn=px.IdentityLog(), where="seq.1").init(x)
+    )
+    rest = lambda h: linear(seq[0][1], layer_norm(seq[0][2], h, -1), 3)
+    out, vjp = jax.vjp(rest, expected["seq.1"])
+    close(grads.log["seq.1"], vjp(2 * out)[0])
+
+    def partial_then_call(params, x):
+        return jnp.tanh(linear(params["l"], hole, 3)(x))
+
+    params = trace(partial_then_call, jax.random.key(0), x)
+    model = from_function(partial_then_call, params, layers=[linear])
+    out, log = px.ForwardHook(model, hook_fn=lambda y: y + 1, log_fn=px.IdentityLog(), where="l")(x)
+    close(log["l"], linear(params["l"], x, 3) + 1)
+    moved = {"l": {**params["l"], "bias": params["l"]["bias"] + 1}}
+    close(out, partial_then_call(moved, x))
+
+
+def _curried(params):
+    return lambda x: x @ params["w"]
+
+
+def test_a_layer_function_returning_a_function_is_refused_naming_the_layer():
+    model = from_function(lambda params, x: _curried(params["a"])(x), {"a": {"w": jnp.ones((3, 2))}}, layers=[_curried])
+    with pytest.raises(px.HookError, match=r"layer 'a'.*'_curried' returned a function"):
+        px.ForwardHook(model, log_fn=px.IdentityLog())(jnp.ones((1, 3)))

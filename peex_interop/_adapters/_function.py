@@ -11,16 +11,19 @@ Every module, because libraries call their layers through their *own* globals:
 zephyr's `mlp` calls `zephyr._nets.mlp.linear`, not `zephyr.nets.linear`.
 
 A call is named by the path of the params subtree it receives (`encoder.mlp_1.0`): a
-map `id(subtree) -> path` is built from the params inside the traced call (jit
-rebuilds the tree once per trace, and the model indexes into that very tree).
-Subtrees rebuilt inside a vmap/scan body hold the body's input tracers, which
-`_context.origin` maps back to the params' arrays. A layer function called without
-parameters (its first argument holds no arrays, e.g. a dropout) is named
-`<enclosing layer>.<function name>`.
+map `id(subtree) -> paths` is built from the params inside the traced call (jit
+rebuilds the tree once per trace, and the model indexes into that very tree; one
+subtree object at two paths is copied apart eagerly, as jit does). Subtrees rebuilt
+inside a vmap/scan body hold the body's input tracers, which `_context.origin` maps
+back to the params' arrays. A layer function called without parameters (its first
+argument holds no arrays, e.g. a dropout) is named `<enclosing layer>.<function name>`.
+A call with one of zephyr's placeholders (`linear(_, _, 6)`) makes a partial, not a
+layer call: the partial's call, once it has its params and input, is.
 """
 
-import dataclasses
+import collections
 import functools
+import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -148,13 +151,13 @@ class FunctionModule(AbstractConverted):
         """
         if not _context.active():
             return self.fn(self.params, *args, **kwargs)
-        call = _Call(self, {id(node): (path, node) for path, node in reversed(list(_nodes(self.params)))})
+        call = _Call(self, self.params)
         functions = [function for function, _ in self.kinds]
         targets = [(owner, name, _routed) for owner, name in bindings(functions, self.fn)]
         with _patching.patched(targets):
             _calls().append(call)
             try:
-                return self.fn(self.params, *args, **kwargs)
+                return self.fn(call.params, *args, **kwargs)
             finally:
                 _calls().remove(call)
 
@@ -198,39 +201,73 @@ class FunctionModule(AbstractConverted):
 
 
 # -- naming calls -----------------------------------------------------------------------
-@dataclasses.dataclass(eq=False)
-class _Call:
-    """One hooked call of one `FunctionModule`: how its layer calls are named."""
+def _name(function: Callable) -> str:
+    return getattr(function, "__name__", repr(function))
 
-    owner: FunctionModule
-    ids: dict[int, tuple[Path, Any]]
-    running: list[Path] = dataclasses.field(default_factory=list)
-    arrays: dict[int, Path] | None = None
+
+def _ids(tree: Any) -> dict[int, tuple[list[Path], Any]]:
+    """`id(node) -> (every path of the node, node)` for the containers and arrays."""
+    ids: dict[int, tuple[list[Path], Any]] = {}
+    for path, node in _nodes(tree):
+        ids.setdefault(id(node), ([], node))[0].append(path)
+    return ids
+
+
+class _Call:
+    """One hooked call of one `FunctionModule`: the params the model runs on and how its
+    layer calls are named."""
+
+    def __init__(self, owner: FunctionModule, params: Any):
+        self.owner = owner
+        self.ids = _ids(params)
+        if any(len(paths) > 1 and not eqx.is_array(node) for paths, node in self.ids.values()):
+            # One subtree object at two paths (`{"enc": shared, "dec": shared}`): each
+            # path gets its own copy, as under `jax.jit`, so that a call is named by the
+            # key it is reached through, eagerly as under jit. Arrays stay shared.
+            params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(params))
+            self.ids = _ids(params)
+        self.params = params
+        self.running: list[Path] = []
 
     def path_of(self, function: Callable, params: Any) -> Path:
         entry = self.ids.get(id(params))
         if entry is not None:
-            return entry[0]
+            return self._one(function, entry[0])
         leaves = [(path, node) for path, node in _nodes(params) if eqx.is_array(node)]
         if not leaves:
             # No parameters: named after the function, inside the running layer.
             return (*(self.running[-1] if self.running else ()), getattr(function, "__name__", "layer"))
-        if self.arrays is None:
-            self.arrays = {id(node): path for path, node in _nodes(self.owner.params) if eqx.is_array(node)}
+        # Each array votes for the subtrees holding it at its relative path: tied
+        # arrays vote for several, the others decide.
+        votes: collections.Counter[Path] = collections.Counter()
         for relative, leaf in leaves:
-            found = self.arrays.get(id(_context.origin(leaf)))
-            if found is not None and found[len(found) - len(relative) :] == relative:
-                return found[: len(found) - len(relative)]
+            for found in self.ids.get(id(_context.origin(leaf)), ([], None))[0]:
+                if found[len(found) - len(relative) :] == relative:
+                    votes[found[: len(found) - len(relative)]] += 1
+        if votes:
+            most = max(votes.values())
+            return self._one(function, [path for path, count in votes.items() if count == most])
         caller = ".".join(self.running[-1]) if self.running else ""
         # Parameters that a transform the engine cannot thread received as arguments are
         # its tracers: that transform is what to name.
-        _context.refuse_if_passed_through(f"call of layer function {getattr(function, '__name__', function)!r}", params)
+        _context.refuse_if_passed_through(f"call of layer function {_name(function)!r}", params)
         raise HookError(
-            f"cannot name the call of layer function {getattr(function, '__name__', function)!r} "
+            f"cannot name the call of layer function {_name(function)!r} "
             f"(called inside layer {caller!r}): its first argument holds arrays that are "
             "not part of the model's params (a subtree built during the call, or params "
             "passed through a transform peex_interop does not thread). Pass it a subtree "
             "of the params the model was built with."
+        )
+
+    def _one(self, function: Callable, paths: list[Path]) -> Path:
+        if len(paths) == 1:
+            return paths[0]
+        raise HookError(
+            f"cannot name the call of layer function {_name(function)!r}: "
+            f"the arrays it receives are the same objects at several paths of the params "
+            f"({', '.join(repr('.'.join(path)) for path in paths)}), so nothing tells which one it "
+            "was reached through (under jax.jit each path is its own tracer). Give each "
+            "path its own arrays, or call the hooked model under jit."
         )
 
 
@@ -250,17 +287,49 @@ def _routed(original: Callable) -> Callable:
         calls = _calls()
         if not calls or not _context.active():
             return original(*args, **kwargs)
+        hole_aware = _placeholder_partial(args, kwargs)
+        if hole_aware is not None:
+            # `linear(_, _, 6)` only makes a partial; its call, given the params and the
+            # input, is the layer call: zephyr's own partial, around this function.
+            return hole_aware(routed)(*args, **kwargs)
         params = args[0] if args else kwargs.get(first)
         call = calls[-1]
         path = call.path_of(original, params)
         call.running.append(path)
         try:
-            return _context.call_site(call.owner, original, args, kwargs, local=path, module=layer(params))
+            layer_call = functools.partial(_activations, original, path)
+            return _context.call_site(call.owner, layer_call, args, kwargs, local=path, module=layer(params))
         finally:
             call.running.pop()
 
     setattr(routed, _patching.ORIGINAL, original)
     return routed
+
+
+def _activations(function: Callable, path: Path, *args: Any, **kwargs: Any) -> Any:
+    output = function(*args, **kwargs)
+    if any(callable(leaf) and not eqx.is_array(leaf) for leaf in jax.tree.leaves(output)):
+        # A partial application the adapter does not know: the computation would run
+        # when the returned function is called, unhooked.
+        raise HookError(
+            f"layer {'.'.join(path)!r}: its function {_name(function)!r} "
+            "returned a function, not activations (a partial application?), whose "
+            "computation would run unhooked. Designate the function that computes the "
+            "layer, called with its params and input."
+        )
+    return output
+
+
+_PLACEHOLDER = "zephyr.functools.partial.PlaceholderHole"
+
+
+def _placeholder_partial(args: tuple, kwargs: dict) -> Callable | None:
+    """zephyr's `hole_aware` if one of the arguments is its placeholder `_` (which makes
+    a call of a zephyr net a partial application), else None."""
+    for value in (*args, *kwargs.values()):
+        if any(_qualified_name(cls) == _PLACEHOLDER for cls in type(value).__mro__):
+            return importlib.import_module(_PLACEHOLDER.rsplit(".", 1)[0]).hole_aware
+    return None
 
 
 def _first_parameter(function: Callable) -> str:

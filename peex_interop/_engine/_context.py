@@ -303,6 +303,8 @@ class HookContext:
         # Every log key given out: key -> (path, key without its call number, number),
         # so that keys counted inside a deferred scope can be renumbered on arrival.
         self.key_parts: dict[str, tuple[str, str, int]] = {}
+        # One-step keys given out (`blocks.1.attn`) -> the path of their stack's layer.
+        self.step_keys: dict[str, str] = {}
         self._batch: Any = None
         self._batch_base: dict[str, int] = {}
         self._outer_counts: list[dict[str, int]] = []
@@ -449,6 +451,7 @@ class HookContext:
             active, one_step = None, False
             if steps is not True:
                 key, active, one_step = self._at_steps(key, name, stacks, steps)
+            self._refuse_two_readings(key, path, one_step)
             self.key_parts[key] = (path, key if count == 0 else key.rsplit("@", 1)[0], count)
             self.selected |= {path, key}
             site = Site(
@@ -504,6 +507,23 @@ class HookContext:
                 root = next(frame[2] for frame in self.frames if frame[3] > depth)
                 stacks.append((depth, root))
         return stacks
+
+    def _refuse_two_readings(self, key: str, path: str, one_step: bool) -> None:
+        """A one-step key that is also another layer's key (`blocks.0`: step 0 of the
+        stack `blocks`, and a function model's params key 0 under `blocks`) would have
+        one selection act on both calls, and their logs collide."""
+        if one_step:
+            self.step_keys[key] = path
+            layer, stack = self.key_parts.get(key, (path,))[0], path
+        else:
+            layer, stack = path, self.step_keys.get(key, path)
+        if layer != stack:
+            raise HookError(
+                f"{key!r} names two calls: the layer {layer!r}, and one step of the stack of "
+                f"layers {stack!r} (a number after a stack's root names one of its steps); "
+                "hooks would act on both. Select the layer alone, at every step, with a "
+                f"predicate: `where=lambda path, layer: path == {layer!r}`."
+            )
 
     def _at_steps(self, key: str, name: str, stacks: list, steps: list[dict[int, int]]) -> tuple[str, Any, bool]:
         """A call selected at some steps only: the traced condition, and, for one step,
