@@ -369,3 +369,143 @@ def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap()
     slot_gradient, loss = slot_gradient_of_init_inside_the_vmap(px.from_haiku(transformed, params, state), xs)
     expected = jax.jit(jax.grad(lambda d: loss(lambda x: transformed.apply(params, state, None, x, d))))(jnp.zeros(4))
     close(slot_gradient, expected, tol=1e-4)
+
+
+# -- modules of lifted inner transforms (hk.lift, layer_stack) --------------------------
+inner_mlp = hk.transform(lambda x: hk.nets.MLP([3, 3], name="mlp")(x))
+
+
+def lift_init(lifted, x):
+    return lifted(hk.next_rng_key() if hk.running_init() else None, x)
+
+
+def lifted_clash_fn(x):
+    # The lifted MLP is `mlp` inside its own transform, as the model's own one is.
+    inner = inner_mlp.apply(lift_init(hk.lift(inner_mlp.init, name="lifted"), x), None, x)
+    return hk.nets.MLP([3, 2], name="mlp")(inner)
+
+
+def lifted_by_hand(params, x, edits=None):
+    """Every layer's output of `lifted_clash_fn` from its params; `edits` (path ->
+    function) edits the output of those layers on the way."""
+    edits = edits or {}
+    outputs = {}
+
+    def mlp(prefix, h):
+        for i in range(2):
+            p = params[f"{prefix}mlp/~/linear_{i}"]
+            path = f"{prefix.replace('/', '.')}mlp.linear_{i}"
+            h = outputs[path] = edits.get(path, lambda y: y)(h @ p["w"] + p["b"])
+            if i == 0:
+                h = jax.nn.relu(h)
+        path = f"{prefix.replace('/', '.')}mlp"
+        outputs[path] = edits.get(path, lambda y: y)(h)
+        return outputs[path]
+
+    return mlp("", mlp("lifted/", x)), outputs
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_lifted_modules_are_named_by_their_params_path(jit):
+    transformed = hk.transform(lifted_clash_fn)
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    params = transformed.init(jax.random.key(0), x)
+    model = px.from_haiku(transformed, params)
+    call = eqx.filter_jit(lambda h, x: h(x)) if jit else (lambda h, x: h(x))
+    _, expected = lifted_by_hand(params, x)
+    assert set(expected) <= set(px.module_paths(model))
+    out, log = call(px.ForwardHook(model, log_fn=px.IdentityLog()), x)
+    assert set(log) == set(expected)
+    jax.tree.map(close, log, expected)
+    for path in ("mlp.linear_0", "lifted.mlp.linear_0"):
+        # An edit of one of the two `linear_0`s is that layer's alone.
+        edited, _ = call(px.ForwardHook(model, hook_fn=lambda y: y + 1.0, where=path), x)
+        close(edited, lifted_by_hand(params, x, {path: lambda y: y + 1.0})[0])
+        # Its cotangent: the gradient of the loss at that layer's output.
+        hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where=path).init(x)
+        grads = eqx.filter_grad(lambda h, x: jnp.sum(call(h, x) ** 2))(hooked, x)
+        delta = jnp.zeros_like(expected[path])
+        cotangent = jax.grad(lambda d: jnp.sum(lifted_by_hand(params, x, {path: lambda y: y + d})[0] ** 2))(delta)
+        assert set(grads.log) == {path}
+        close(grads.log[path], cotangent)
+    assert model.haiku_names(x)["lifted.mlp.linear_0"] == "mlp/~/linear_0"
+
+
+def test_lifts_reused_transparent_and_vmapped_name_their_modules_by_params():
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+
+    def reused(x):  # one lift called twice (allow_reuse): one set of params, two calls
+        lifted = hk.experimental.lift(inner_mlp.init, name="lifted", allow_reuse=True)
+        return inner_mlp.apply(lift_init(lifted, x), None, inner_mlp.apply(lift_init(lifted, x), None, x))
+
+    def transparent(x):  # no name of its own: the inner names are the model's
+        return inner_mlp.apply(lift_init(hk.transparent_lift(inner_mlp.init), x), None, x)
+
+    def ensembles(x):  # two lifts giving out the same names, applied under vmap
+        outs = []
+        for name in ("a", "b"):
+            init = hk.lift(jax.vmap(inner_mlp.init, in_axes=(0, None)), name=name)
+            ensemble = init(hk.next_rng_keys(2) if hk.running_init() else None, x)
+            outs.append(jax.vmap(inner_mlp.apply, in_axes=(0, None, None))(ensemble, None, x))
+        return outs[0] - outs[1]
+
+    for fn, layer, called in [
+        (reused, "lifted/mlp/~/linear_0", ["lifted.mlp.linear_0", "lifted.mlp.linear_0@1"]),
+        (transparent, "mlp/~/linear_0", ["mlp.linear_0"]),
+        (ensembles, "b/mlp/~/linear_0", ["b.mlp.linear_0"]),
+    ]:
+        transformed = hk.transform(fn)
+        params = transformed.init(jax.random.key(0), x)
+        model = px.from_haiku(transformed, params)
+        hooked = px.ForwardHook(model, log_fn=px.IdentityLog(), where=called[0])
+        with jax.checking_leaks():
+            out, log = eqx.filter_jit(lambda h, x: h(x))(hooked, x)
+        np.testing.assert_array_equal(out, transformed.apply(params, None, x))
+        assert sorted(log) == called
+        w, b = params[layer]["w"], params[layer]["b"]
+        close(log[called[0]], jnp.einsum("bi,...io->...bo", x, w) + b[..., None, :])
+
+
+def test_an_inner_transform_on_params_no_lift_gave_out_is_refused():
+    x = jnp.ones((2, 3))
+    elsewhere = inner_mlp.init(jax.random.key(0), x)  # closed over: not the model's params
+    transformed = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(inner_mlp.apply(elsewhere, None, x))))
+    model = px.from_haiku(transformed, transformed.init(jax.random.key(0), x))
+    with pytest.raises(px.HookError, match=r"module 'mlp' runs in an inner hk.transform on params that no hk.lift"):
+        px.ForwardHook(model, log_fn=px.IdentityLog(), where="linear")(x)
+    close(model(x), transformed.apply(model.params, x))  # unhooked, it runs as ever
+
+
+def test_lifted_modules_inside_users_own_transform():
+    def fn(x):
+        return px.ForwardHook(px.haiku_function(lifted_clash_fn), log_fn=px.IdentityLog(), where="**.linear_0")(x)
+
+    transformed = hk.transform(fn)
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    params = transformed.init(jax.random.key(0), x)
+    _, log = jax.jit(transformed.apply)(params, None, x)
+    _, expected = lifted_by_hand(params, x)
+    assert set(log) == {"mlp.linear_0", "lifted.mlp.linear_0"}
+    jax.tree.map(close, log, {path: expected[path] for path in log})
+
+
+def test_a_named_layer_stack_is_named_alike_in_users_own_transform_and_converted():
+    def named_stack_fn(x):
+        return hk.experimental.layer_stack(3, name="blocks")(lambda x: jnp.tanh(hk.Linear(5, name="lin")(x)))(x)
+
+    def fn(x):  # `init` runs the stack's body inside its lift too: those calls make params
+        return px.ForwardHook(px.haiku_function(named_stack_fn), log_fn=px.IdentityLog())(x)
+
+    transformed = hk.transform(fn)
+    x = jax.random.normal(jax.random.key(1), (2, 5))
+    params = transformed.init(jax.random.key(0), x)
+    _, log = transformed.apply(params, None, x)
+    _, converted_log = px.ForwardHook(px.from_haiku(hk.transform(named_stack_fn), params), log_fn=px.IdentityLog())(x)
+    assert set(log) == set(converted_log) == {"blocks.lin"}
+    w, b = params["blocks/lin"]["w"], params["blocks/lin"]["b"]
+    h, steps = x, []
+    for i in range(3):
+        steps.append(h @ w[i] + b[i])
+        h = jnp.tanh(steps[-1])
+    close(log["blocks.lin"], jnp.stack(steps))
+    close(converted_log["blocks.lin"], jnp.stack(steps))

@@ -7,6 +7,7 @@ interceptor hands every selected method call of every Haiku submodule to
 """
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Callable, MutableMapping, Sequence
@@ -21,6 +22,7 @@ from haiku._src import (
     base as hk_base,  # the frames: Haiku's per-transform Python state
 )
 from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_stack
+from jax._src.interpreters.batching import BatchTracer
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._engine import _context, _inner_sites, _patching, _shape_pass
@@ -123,50 +125,108 @@ def _attention_jax(jax_module: Any) -> _inner_sites.ModuleView:
     return _inner_sites.ModuleView(jax_module, nn=_inner_sites.ModuleView(jax_module.nn, softmax=softmax))
 
 
+class _Transforms:
+    """How one call names the modules of the Haiku transforms run inside the model's
+    own. Haiku names the modules of an inner transform as if it were the whole model
+    (`mlp/~/linear_0`), while the model keeps the params that `hk.lift` (or
+    `layer_stack`, `hk.transparent_lift`) gave that transform under the lift
+    (`lifted/mlp/~/linear_0`): such modules are named by the lift that gave out the
+    params they run on, or `lifted.mlp.linear_0` and the model's own `mlp.linear_0`
+    would be one path."""
+
+    def __init__(self, depth: int):
+        self.depth = depth  # the model's own transform: its place in Haiku's context stack
+        # The lifts called so far: (path, keys of the params and state given out, ids of
+        # the model arrays among them), and those arrays, held so that no id is reused.
+        self.lifts: list[tuple[tuple[str, ...], set[str], set[int]]] = []
+        self.held: list[Any] = []
+        self.lifting = 0  # lift calls running: at init they run the lifted init function
+
+    def local(self, methods: tuple[str, ...], context: Any) -> tuple[str, ...] | None:
+        """The path of a layer call, or None for a call that is not one."""
+        module, method = context.module, context.method_name
+        # Interceptors also see `__init__` (module_name not yet set), every public
+        # method, and Haiku's internal modules: only selected methods of user modules
+        # are layer calls. Calls inside a lift's call make params, not the model's output.
+        plumbing = method not in methods or isinstance(module, LiftingModule) or self.lifting
+        if plumbing or _is_internal(module.module_name):
+            return None
+        local = (*self._prefix(module), *haiku_path(module.module_name))
+        return local if method == "__call__" else (*local, method)
+
+    def run(self, context: Any, next_f: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run a call that is not a layer call; the params and state a lift gives out
+        are remembered, to name the modules that run on them."""
+        module = context.module
+        if not isinstance(module, LiftingModule) or context.method_name != "__call__" or self.lifting:
+            return next_f(*args, **kwargs)
+        self.lifting += 1
+        try:
+            out = next_f(*args, **kwargs)
+        finally:
+            self.lifting -= 1
+        params, state = out
+        arrays = [_array(leaf) for leaf in jax.tree.leaves(out)]
+        self.held.extend(arrays)
+        path = (*self._prefix(module), *_params_path(module.prefix_name))
+        self.lifts.append((path, {*params, *state}, set(map(id, arrays))))
+        return out
+
+    def _prefix(self, module: hk.Module) -> tuple[str, ...]:
+        """The path of the transform `module` runs in: `()` for the model's own."""
+        if len(hk_base.context_stack) <= self.depth:
+            return ()
+        frame = hk_base.current_frame()
+        own = {**module.params_dict(), **module.state_dict()}
+        # A module without params of its own runs on its transform's.
+        keys = {name.rpartition("/")[0] for name in own} or {*frame.params, *(frame.state or {})}
+        arrays = list(own.values()) or jax.tree.leaves(frame.params)
+        lifts = [(path, ids) for path, given, ids in self.lifts if keys and keys <= given]
+        paths = {path for path, _ in lifts}
+        if len(paths) > 1:
+            # The same names given out by two lifts: the arrays tell which.
+            found = {id(_array(leaf)) for leaf in arrays}
+            paths = {path for path, ids in lifts if ids & found}
+        if len(paths) != 1:
+            given = "no hk.lift of this call gave out" if not lifts else "several hk.lift calls gave out"
+            raise HookError(
+                f"the Haiku module {module.module_name!r} runs in an inner hk.transform on params that {given}: "
+                "its path in the model is unknown, so it can be neither selected nor skipped; give the inner "
+                "apply the params its hk.lift returns, unchanged"
+            )
+        return paths.pop()
+
+
+def _array(leaf: Any) -> Any:
+    """The array of the call that `leaf` stands for: the model's own, through the bodies
+    the engine threads, and a batch tracer's value (a vmap the engine does not thread,
+    as in `haiku_names`, maps its inputs along axis 0 into tracers holding them)."""
+    leaf = _context.origin(leaf)
+    while isinstance(leaf, BatchTracer):
+        leaf = leaf.val
+    return leaf
+
+
 class _AbstractHaiku(AbstractConverted):
     """Routes Haiku method calls made during `run` to the engine's call sites."""
 
     methods: eqx.AbstractVar[tuple[str, ...]]
 
-    def _intercepted(self, run: Callable[[], Any]) -> Any:
+    def _intercepted(self, run: Callable[[], Any], *, applies: bool) -> Any:
+        # `applies`: whether `run` opens the model's own transform (`apply`) or runs in
+        # the enclosing one.
         if not _context.active():
             return run()
-        with _patching.patched([(hk_attention, "jax", _attention_jax)]), hk.intercept_methods(self._intercept):
+        transforms = _Transforms(len(hk_base.context_stack) + applies)
+        interceptor = functools.partial(self._intercept, transforms)
+        with _patching.patched([(hk_attention, "jax", _attention_jax)]), hk.intercept_methods(interceptor):
             return run()
 
-    def _intercept(self, next_f, args, kwargs, context):
-        # Interceptors also see `__init__` (module_name not yet set), every public
-        # method, and Haiku's internal modules: only selected methods of user modules
-        # are layer calls.
-        if (
-            context.method_name not in self.methods
-            or isinstance(context.module, LiftingModule)
-            or _is_internal(context.module.module_name)
-        ):
-            return next_f(*args, **kwargs)
-        local = self._stacked_path(context.module) or haiku_path(context.module.module_name)
-        if context.method_name != "__call__":
-            local = (*local, context.method_name)
+    def _intercept(self, transforms: _Transforms, next_f, args, kwargs, context):
+        local = transforms.local(self.methods, context)
+        if local is None:
+            return transforms.run(context, next_f, args, kwargs)
         return _context.call_site(self, next_f, args, kwargs, local=local, module=context.module)
-
-    def _stacked_path(self, module: hk.Module) -> tuple[str, ...] | None:
-        # Inside `hk.experimental.layer_stack(n, name="blocks")` a module is named apart
-        # from the stack (`lin`) while its parameters sit under it (`blocks/lin`): inside
-        # a body, a module is named by the parameters its own ones are slices of.
-        params = module.params_dict()
-        if not params:
-            return None
-        name, leaf = next(iter(params.items()))
-        outer = _context.origin(leaf)
-        if outer is leaf:
-            return None
-        # `attn/key/w`: the module `attn`, its submodule `key`, the parameter `w`.
-        inner_key, _, param_name = name.rpartition("/")
-        below = inner_key[len(module.module_name) :]  # `/key`: the submodule, if any
-        for key, values in (getattr(self, "params", None) or {}).items():
-            if values.get(param_name) is outer and key.endswith(inner_key):
-                return _params_path(key[: len(key) - len(below)])
-        return None
 
     def layer_kind(self, module: hk.Module) -> str:
         return kind_of(module, HAIKU_KINDS)
@@ -184,7 +244,7 @@ class HaikuFunction(_AbstractHaiku):
     methods: tuple[str, ...] = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._intercepted(lambda: self.fn(*args, **kwargs))
+        return self._intercepted(lambda: self.fn(*args, **kwargs), applies=False)
 
     def layers(self) -> None:
         return None  # the modules are created by the call itself
@@ -246,7 +306,7 @@ class HaikuModule(_AbstractHaiku):
     methods: tuple[str, ...] = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._intercepted(lambda: self.apply_fn(*self._apply_inputs(), *args, **kwargs))
+        return self._intercepted(lambda: self.apply_fn(*self._apply_inputs(), *args, **kwargs), applies=True)
 
     def _apply_inputs(self) -> tuple:
         inputs = (self.params, self.state) if self.stateful else (self.params,)
@@ -309,13 +369,15 @@ class HaikuModule(_AbstractHaiku):
         """
         names = {}
 
-        def record(next_f, args, kwargs, context):
-            if context.method_name in self.methods and not _is_internal(context.module.module_name):
-                local = haiku_path(context.module.module_name)
-                names[".".join(local)] = context.module.module_name
-            return next_f(*args, **kwargs)
-
         def run(model, args, kwargs):
+            transforms = _Transforms(len(hk_base.context_stack) + 1)
+
+            def record(next_f, args, kwargs, context):
+                local = transforms.local(model.methods, context)
+                if local is not None:
+                    names[".".join(local)] = context.module.module_name
+                return transforms.run(context, next_f, args, kwargs)
+
             with hk.intercept_methods(record):
                 return model.apply_fn(*model._apply_inputs(), *args, **kwargs)
 
