@@ -496,6 +496,200 @@ def test_backward_under_jit_and_checking_leaks():
     jax.tree.map(close, jitted.log, grad(hooked, x).log)
 
 
+# -- naming inside NNX transforms applied in the call ------------------------------------
+# Each transform hands its body fresh module objects: they are named by the path they
+# carry, not by their arrays.
+IN_CALL = {
+    "vmap": lambda f: nnx.vmap(f, in_axes=(None, 0)),
+    "jit": nnx.jit,
+    "remat": nnx.remat,
+}
+
+
+class SameArrays(nnx.Module):
+    """Two layers `a` and `b` holding the very same arrays, each called once through
+    the transform, then `c`."""
+
+    def __init__(self, transform, rngs):
+        self.transform = transform
+        self.a = nnx.Linear(3, 3, rngs=rngs)
+        self.b = nnx.Linear(3, 3, rngs=rngs)
+        self.b.kernel = nnx.Param(self.a.kernel.get_value())
+        self.b.bias = nnx.Param(self.a.bias.get_value())
+        self.c = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+        step = IN_CALL[self.transform](lambda layer, x: jnp.tanh(layer(x)))
+        return self.c(step(self.b, step(self.a, x)))
+
+
+@pytest.mark.parametrize("transform", sorted(IN_CALL))
+def test_layers_holding_the_same_arrays_are_named_by_their_own_paths_in_transforms(transform):
+    model = SameArrays(transform, nnx.Rngs(0))
+    x = jax.random.normal(key(1), (4, 3))
+    net = px.from_nnx(model)
+    a = model.a(x)
+    b = model.b(jnp.tanh(a))
+    _, log = px.ForwardHook(net, log_fn=px.IdentityLog())(x)
+    assert set(log) == {"a", "b", "c"}
+    close(log["a"], a)
+    close(log["b"], b)
+    # The edit of `b` equals the model with b's output doubled by hand.
+    out, _ = px.ForwardHook(net, hook_fn=lambda y: 2 * y, where="b")(x)
+    close(out, model.c(jnp.tanh(2 * b)))
+    weights = jnp.arange(12.0).reshape(4, 3)
+    hooked = px.BackwardHook(net, log_fn=px.IdentityLog(), where=["a", "b"]).init(x)
+    grads = eqx.filter_grad(lambda h: jnp.sum(h(x) * weights))(hooked)
+    _, vjp_a = jax.vjp(lambda a: model.c(jnp.tanh(model.b(jnp.tanh(a)))), a)
+    _, vjp_b = jax.vjp(lambda b: model.c(jnp.tanh(b)), b)
+    close(grads.log["a"], vjp_a(weights)[0])
+    close(grads.log["b"], vjp_b(weights)[0])
+
+
+class Scale(nnx.Module):
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, x):
+        return x * self.factor
+
+
+class Stateless(nnx.Module):
+    """Modules without arrays (a deterministic Dropout, a module holding a float)
+    called through the transform, then `lin`."""
+
+    def __init__(self, transform, rngs):
+        self.transform = transform
+        self.drop = nnx.Dropout(0.1, deterministic=True)
+        self.scale = Scale(3.0)
+        self.lin = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+        step = IN_CALL[self.transform](lambda layer, x: jnp.tanh(layer(x)))
+        return self.lin(step(self.scale, step(self.drop, x)))
+
+
+@pytest.mark.parametrize("transform", sorted(IN_CALL))
+def test_modules_without_arrays_are_named_in_transforms(transform):
+    model = Stateless(transform, nnx.Rngs(0))
+    x = jax.random.normal(key(1), (4, 3))
+    net = px.from_nnx(model)
+    scaled = 3.0 * jnp.tanh(x)
+    out, log = px.ForwardHook(net, log_fn=px.IdentityLog())(x)
+    np.testing.assert_array_equal(out, nnx.clone(model)(x))
+    assert set(log) == {"drop", "scale", "lin"}
+    close(log["drop"], x)
+    close(log["scale"], scaled)
+    _, log = px.ForwardHook(net, log_fn=px.IdentityLog(), where="lin")(x)
+    assert set(log) == {"lin"}
+    out, _ = px.ForwardHook(net, hook_fn=lambda y: 2 * y, where="scale")(x)
+    close(out, model.lin(jnp.tanh(2 * scaled)))
+
+
+THROUGH = {
+    "jit": lambda self, x: nnx.jit(lambda lin, x: jnp.tanh(lin(x)))(self.lin, x),
+    "remat": lambda self, x: nnx.remat(lambda lin, x: jnp.tanh(lin(x)))(self.lin, x),
+    "cond": lambda self, x: nnx.cond(jnp.sum(x) > -1e9, lambda lin, x: jnp.tanh(lin(x)), lambda lin, x: x, self.lin, x),
+}
+
+
+class Twice(nnx.Module):
+    """`lin` called through one NNX transform, then through another (NNX writes each
+    transform's output Variables back into `lin`), then `other`."""
+
+    def __init__(self, transforms, rngs):
+        self.transforms = transforms
+        self.lin = nnx.Linear(3, 3, rngs=rngs)
+        self.other = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+        for transform in self.transforms:
+            x = THROUGH[transform](self, x)
+        return self.other(x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("transforms", ["jit,jit", "jit,remat", "jit,cond", "remat,remat", "remat,cond", "remat,jit"])
+def test_a_layer_called_through_two_nnx_transforms(transforms, mode):
+    model = Twice(transforms.split(","), nnx.Rngs(0))
+    x = jax.random.normal(key(1), (2, 3))
+    net = px.from_nnx(model)
+    run = AROUND[mode]
+    first = model.lin(x)
+    second = model.lin(jnp.tanh(first))
+    out, log = run(px.ForwardHook(net, log_fn=px.IdentityLog()), x)
+    close(out, nnx.clone(model)(x))
+    assert set(log) == {"lin", "lin@1", "other"}
+    close(log["lin"], first)
+    close(log["lin@1"], second)
+    weights = jnp.arange(6.0).reshape(2, 3)
+    hooked = px.BackwardHook(net, log_fn=px.IdentityLog(), where="lin").init(x)
+    grads = eqx.filter_grad(lambda h, x: jnp.sum(run(h, x) * weights))(hooked, x)
+    _, vjp_first = jax.vjp(lambda y: model.other(jnp.tanh(model.lin(jnp.tanh(y)))), first)
+    _, vjp_second = jax.vjp(lambda y: model.other(jnp.tanh(y)), second)
+    close(grads.log["lin"], vjp_first(weights)[0])
+    close(grads.log["lin@1"], vjp_second(weights)[0])
+
+
+class PerExampleDropout(nnx.Module):
+    """NNX's per-example dropout: RNG keys split with `nnx.split_rngs`, mapped by
+    `nnx.vmap` (a key per example) in the call."""
+
+    def __init__(self, in_axes, rngs):
+        self.in_axes = in_axes
+        self.lin = nnx.Linear(3, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.split_rngs(splits=x.shape[0])
+        @nnx.vmap(in_axes=(self.in_axes, 0))
+        def dropped(drop, h):
+            return drop(h)
+
+        return dropped(self.drop, self.lin(x))
+
+
+@pytest.mark.parametrize("in_axes", [nnx.StateAxes({nnx.RngState: 0, ...: None}), 0], ids=["state_axes", "axis_0"])
+def test_per_example_dropout_with_split_rngs_is_named(in_axes):
+    model = PerExampleDropout(in_axes, nnx.Rngs(0))
+    x = jax.random.normal(key(1), (4, 3))
+    net = px.from_nnx(model)
+    expected = nnx.clone(model)(x)
+    out, log = px.ForwardHook(net, log_fn=px.IdentityLog())(x)
+    np.testing.assert_array_equal(out, expected)
+    assert set(log) == {"lin", "drop"}
+    close(log["drop"], expected)
+    out, _ = px.ForwardHook(net, hook_fn=lambda y: 2 * y, where="drop")(x)
+    close(out, 2 * expected)
+
+
+def test_a_module_built_in_the_call_from_arrays_two_layers_hold_raises_naming_both():
+    class Rebuilds(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(3, 3, rngs=rngs)
+            self.b = nnx.Linear(3, 3, rngs=rngs)
+            self.b.kernel = nnx.Param(self.a.kernel.get_value())
+            self.b.bias = nnx.Param(self.a.bias.get_value())
+
+        def __call__(self, x):
+            rebuilt = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+            rebuilt.kernel = nnx.Param(self.a.kernel.get_value())
+            rebuilt.bias = nnx.Param(self.a.bias.get_value())
+            return self.b(rebuilt(x))
+
+    with pytest.raises(px.HookError, match=r"cannot name the Linear called from NNX path '': .*'a', 'b'"):
+        px.ForwardHook(px.from_nnx(Rebuilds(nnx.Rngs(0))), log_fn=px.IdentityLog())(jnp.ones(3))
+
+
+def test_the_path_a_module_carries_leaves_with_the_call():
+    model = Twice(("jit", "remat"), nnx.Rngs(0))
+    net = px.from_nnx(model, return_state=True)
+    (_, updated), _ = px.ForwardHook(net, log_fn=px.IdentityLog())(jnp.ones(3))
+    assert updated.graphdef is net.graphdef
+    pairs = zip(nnx.iter_modules(px.to_nnx(updated)), nnx.iter_modules(model), strict=True)
+    assert all(vars(module).keys() == vars(original).keys() for (_, module), (_, original) in pairs)
+
+
 # -- training and the way back -----------------------------------------------------------
 def test_training_with_optax_then_to_nnx_matches_nnx_training():
     x = jax.random.normal(key(1), (8, 3))

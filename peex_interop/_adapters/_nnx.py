@@ -8,12 +8,16 @@ calling thread, `__call__` of every NNX module class of the model is replaced fo
 duration of the call by one that hands the call to `_context.call_site`, named by the
 submodule's NNX path. A submodule is named, in this order:
 
-1. by identity, from the merged module (a shared submodule: its first path);
-2. as a descendant of the module whose call is running (modules NNX rebuilds inside a
-   transformed body hold their children as new objects too);
-3. by its arrays: `nnx.scan`/`nnx.vmap`/`nnx.remat` hand their bodies fresh module
-   objects whose Variables hold the body's input tracers; `_context.origin` maps those
-   back to the merged module's arrays, whose NNX paths are known.
+1. by the path it carries: for the duration of the call every module of the merged
+   graph holds its path as a static attribute, which NNX's transforms copy into the
+   fresh module objects they hand their bodies (`nnx.vmap`, `nnx.jit`, `nnx.remat`,
+   ...), whatever those hold: the same arrays as another layer, no arrays at all, or
+   arrays the transform made (split RNG keys, a previous transform's outputs);
+2. as a descendant of the module whose call is running (a module attached during the
+   call);
+3. by its arrays, for a module built during the call from the model's Variables:
+   `_context.origin` maps body tracers back to the merged module's arrays, whose NNX
+   paths are known, and arrays shared by two layers name neither.
 """
 
 import contextlib
@@ -71,10 +75,10 @@ NNX_KINDS: dict[type, str] = {
     nnx.RNNCellBase: "recurrent",
     nnx.RNN: "recurrent",
     nnx.Bidirectional: "recurrent",
+    nnx.PReLU: "activation",
     nnx.Sequential: "container",
     nnx.List: "container",
 }
-
 
 
 class NnxModule(AbstractConverted):
@@ -303,24 +307,41 @@ def _variables(node: nnx.Module) -> Iterable[tuple[Path, Any]]:
             yield _as_path(path), value.get_value()
 
 
+# The static attribute by which a module of a hooked call carries its NNX path through
+# NNX's transforms: they split their module arguments into a graph definition, which
+# holds static attributes by value, and merge fresh objects from it inside the body.
+# One attribute per depth of nested calls, so that a module of an enclosing call is no
+# module of this one; the name and value stay the same from call to call, so that
+# JAX's caches keyed on graph definitions keep hitting.
+_PATH = "_peex_interop_path_{depth}"
+
+
 @dataclasses.dataclass(eq=False)
 class _Call:
     """One hooked call of one `NnxModule`: how its submodules are named."""
 
     owner: NnxModule
     root: nnx.Module
-    ids: dict[int, Path]
+    # The merged modules by id, held so that no id is reused during the call.
+    merged: dict[int, nnx.Module]
+    attribute: str
     running: list[tuple[nnx.Module, Path]] = dataclasses.field(default_factory=list)
-    arrays: dict[int, Path] = dataclasses.field(default_factory=dict)
+    arrays: dict[int, tuple[Any, list[Path]]] = dataclasses.field(default_factory=dict)
 
     def path_of(self, module: nnx.Module) -> Path:
-        path = self.ids.get(id(module))
-        if path is None:
-            path = self._as_descendant(module)
+        path = vars(module).get(self.attribute)
+        if path is not None:
+            if self.merged.get(id(module)) is not module and not self._traced_back(module):
+                # A copy whose arrays do not come from the model through a threaded
+                # transform: one that an unthreaded transform (a while_loop carry)
+                # received must not run unhooked.
+                self._refuse_if_passed_through(module)
+            return path
+        path = self._as_descendant(module)
         if path is None:
             path = self._by_arrays(module)
         if path is None:
-            _context.refuse_if_passed_through(type(module).__name__, [v for _, v in _variables(module)])
+            self._refuse_if_passed_through(module)
             raise HookError(self._unnamed(module))
         return path
 
@@ -333,24 +354,51 @@ class _Call:
                 return parent_path + _as_path(relative)
         return None
 
-    def _by_arrays(self, module: nnx.Module) -> Path | None:
-        for relative, value in _variables(module):
-            found = self._array_path(_context.origin(value))
-            if found is not None and found[-len(relative) :] == relative:
-                return found[: -len(relative)]
-        return None
+    def _traced_back(self, module: nnx.Module) -> bool:
+        return any(self._array_paths(_context.origin(value)) for _, value in _variables(module))
 
-    def _array_path(self, array: Any) -> Path | None:
+    def _by_arrays(self, module: nnx.Module) -> Path | None:
+        # Every array that comes from the model must place the module at one path.
+        candidates: set[Path] | None = None
+        for relative, value in _variables(module):
+            found = {
+                path[: -len(relative)]
+                for path in self._array_paths(_context.origin(value))
+                if path[-len(relative) :] == relative
+            }
+            if found:
+                candidates = found if candidates is None else candidates & found
+        if not candidates:
+            return None
+        if len(candidates) > 1:
+            paths = ", ".join(sorted(repr(".".join(path)) for path in candidates))
+            raise HookError(
+                f"cannot name the {type(module).__name__} called from NNX path {self._caller()!r}: "
+                f"it was built during the call from arrays that the layers {paths} all hold, "
+                "so it could be any of them. Call the model's own submodules, or give each "
+                "layer its own arrays."
+            )
+        return candidates.pop()
+
+    def _array_paths(self, array: Any) -> list[Path]:
         # Eager calls replace arrays as they go (BatchNorm statistics, RNG counts):
-        # index the root's current values again before giving up.
-        if id(array) not in self.arrays:
-            self.arrays = {id(value): path for path, value in _variables(self.root)}
-        return self.arrays.get(id(array))
+        # index the root's current values again before giving up. The index holds the
+        # values, so that a replaced array's id cannot name a new one.
+        if self.arrays.get(id(array), (None,))[0] is not array:
+            self.arrays = {}
+            for path, value in _variables(self.root):
+                self.arrays.setdefault(id(value), (value, []))[1].append(path)
+        return self.arrays.get(id(array), (None, []))[1]
+
+    def _refuse_if_passed_through(self, module: nnx.Module) -> None:
+        _context.refuse_if_passed_through(type(module).__name__, [v for _, v in _variables(module)])
+
+    def _caller(self) -> str:
+        return ".".join(self.running[-1][1]) if self.running else ""
 
     def _unnamed(self, module: nnx.Module) -> str:
-        caller = ".".join(self.running[-1][1]) if self.running else ""
         return (
-            f"cannot name the {type(module).__name__} called from NNX path {caller!r}: "
+            f"cannot name the {type(module).__name__} called from NNX path {self._caller()!r}: "
             "it is not a submodule of the converted model, and none of its arrays "
             "comes from the model's state through a transform peex_interop threads "
             "(a module created during the call, or an NNX transform built before "
@@ -387,15 +435,25 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
         yield
         return
     paths = _paths(root)
-    call = _Call(owner, root, {id(module): path for path, module in paths})
     calls = _calls.items
+    call = _Call(owner, root, {id(module): module for _, module in paths}, _PATH.format(depth=len(calls)))
     types = {type(module) for _, module in paths}
-    with _patching.patched([*_patching.call_patches(types, _route), _WEIGHTS]):
-        calls.append(call)
-        try:
-            yield
-        finally:
-            calls.remove(call)
+    try:
+        for path, module in paths:
+            setattr(module, call.attribute, path)
+        with _patching.patched([*_patching.call_patches(types, _route), _WEIGHTS]):
+            calls.append(call)
+            try:
+                yield
+            finally:
+                calls.remove(call)
+    finally:
+        # The path leaves with the call: the module's graph definition (what
+        # `return_state=True` and `px.to_nnx` split again) is the model's own. A
+        # transform may have put new module objects in the graph.
+        for module in [*call.merged.values(), *(module for _, module in nnx.iter_modules(root))]:
+            if call.attribute in vars(module):
+                delattr(module, call.attribute)
 
 
 # -- parameter layouts (px.transfer_params) ------------------------------------------
