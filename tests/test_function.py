@@ -121,8 +121,9 @@ def test_summary_kinds_stats_and_selection(seed):
     assert set(log) == {"encoder.mlp_1", "encoder.mlp_2", "decoder"}
     _, log = px.ForwardHook(model, log_fn=px.MeanLog(), where=layer_type(mlp))(x, *HYPER)
     assert set(log) == {"encoder.mlp_1", "encoder.mlp_2", "decoder"}
-    with pytest.raises(px.HookError, match="decoder"):
-        px.ForwardHook(model, where="decodr.*")
+    # Function models list only the layers given params: a pattern is checked after the call.
+    with pytest.raises(px.HookError, match=r"'decodr\.\*' selected no call.*decoder"):
+        px.ForwardHook(model, where="decodr.*")(x, *HYPER)
 
 
 # -- hand-written models, transforms inside ---------------------------------------------------
@@ -197,6 +198,14 @@ def test_zephyr_nets_kinds_and_layers_without_params():
     close(out, zephyr_transformer(params, tokens, key))
     close(log["norm"], layer_norm(params["norm"], token_embed(params["embed"], tokens, 11, 8), -1))
     close(log["attn.q_proj"], linear(params["attn"]["q_proj"], log["norm"], 8))
+    # A layer without params is selected by its path (no params path lists it ahead of the call).
+    out, log = px.ForwardHook(model, log_fn=px.IdentityLog(), hook_fn=lambda y: 2 * y, where="dropout")(tokens, key)
+    assert set(log) == {"dropout"}
+    embedded = token_embed(params["embed"], tokens, 11, 8)
+    h = layer_norm(params["norm"], embedded, -1)
+    x = embedded + multi_head_self_attention(params["attn"], h, 2, implementation="xla")
+    close(log["dropout"], 2 * dropout(None, key, x, 0.5))  # logged as edited
+    close(out, linear(params["head"], log["dropout"], 3))
 
 
 def test_params_passed_through_a_nested_jit_are_named_through_their_arrays(seed):

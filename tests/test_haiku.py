@@ -1,5 +1,7 @@
 """Haiku models (from hk.nets and hk's own layers) converted with px.from_haiku."""
 
+import functools
+
 import pytest
 
 pytest.importorskip("haiku")  # skipped where the [haiku] extra is not installed
@@ -329,8 +331,34 @@ def test_bad_input():
     transformed, params, model, x = convert("mlp")
     with pytest.raises(TypeError, match=r"hk\.transform"):
         px.from_haiku(mlp_fn, params)
-    with pytest.raises(px.HookError, match=r"closest available paths: mlp\.linear_0"):
-        px.ForwardHook(model, where="mlp.linear0")
+    # Haiku models list only their modules with parameters: a path is checked after the call.
+    hooked = px.ForwardHook(model, where="mlp.linear0")
+    with pytest.raises(px.HookError, match=r"'mlp.linear0' selected no call.*Closest layers called: mlp\.linear_0"):
+        hooked(x)
+
+
+def test_modules_without_parameters_are_selected_by_their_path():
+    # hk.Sequential and hk.DeepRNN hold no parameters: px.module_paths cannot list them, the
+    # call names them; a selection of one is not refused before the call.
+    def sequential(x):
+        return hk.Sequential([hk.Linear(4), jax.nn.relu, hk.Linear(3)])(x)
+
+    def deep_rnn(x):
+        core = hk.DeepRNN([hk.Linear(4), jax.nn.relu, hk.Linear(3)])
+        return core(x, core.initial_state(x.shape[0]))  # (output, state)
+
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    for fn, name in ((sequential, "sequential"), (deep_rnn, "deep_rnn")):
+        transformed = hk.transform(fn)
+        params = transformed.init(jax.random.key(0), x)
+        model = px.from_haiku(transformed, params)
+        assert name not in px.module_paths(model)
+        expected = transformed.apply(params, None, x)
+        out, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where=name)(x)
+        jax.tree.map(close, (out, log[name]), (expected, expected))
+        double = functools.partial(jax.tree.map, lambda y: 2 * y)
+        edited, _ = eqx.filter_jit(px.ForwardHook(model, hook_fn=double, where=name))(x)
+        jax.tree.map(close, edited, double(expected))
 
 
 class Coder(hk.Module):

@@ -46,6 +46,7 @@ def test_layer_names_where_types_and_predicates():
         (dict(layer_names=["linear3"]), "closest available paths: linear2, linear1"),
         (dict(where="linaer1"), "'linaer1' matches no layer of MLP"),
         (dict(where=eqx.nn.Conv2d), "Conv2d matches no layer of MLP"),
+        (dict(where=["linear1", 3]), "where= takes glob patterns .*; got 3"),
     ],
 )
 def test_names_matching_nothing_raise_with_closest_paths(kwargs, message):
@@ -54,6 +55,16 @@ def test_names_matching_nothing_raise_with_closest_paths(kwargs, message):
         px.ForwardHook(model, **kwargs)
     with pytest.raises(px.HookError, match=message):
         px.BackwardHook(model, **kwargs)
+
+
+def test_a_criterion_of_no_kind_is_refused_at_construction_whatever_the_model():
+    # Also for models whose layers are only known during the call (nothing to check them against).
+    def dense(params, x):
+        return x @ params["w"]
+
+    model = px.from_function(dense, {"w": jnp.ones((2, 2))}, layers=[dense])
+    with pytest.raises(px.HookError, match=r"where= takes .*; got 3\.5"):
+        px.ForwardHook(model, where=["dense", 3.5])
 
 
 def test_every_builtin_pool_and_activation_has_its_kind():

@@ -26,7 +26,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -136,6 +136,9 @@ class FunctionModule(AbstractConverted):
     params: PyTree
     fn: Callable = eqx.field(static=True)
     kinds: tuple[tuple[Callable, str], ...] = eqx.field(static=True)
+    # Layers are listed from the params tree: a layer function given none (a dropout)
+    # is only known during the call.
+    lists_every_layer: ClassVar[bool] = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model.

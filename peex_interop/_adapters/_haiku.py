@@ -11,7 +11,7 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, MutableMapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import haiku as hk
@@ -211,6 +211,9 @@ class _AbstractHaiku(AbstractConverted):
     """Routes Haiku method calls made during `run` to the engine's call sites."""
 
     methods: eqx.AbstractVar[tuple[str, ...]]
+    # Modules are listed from the params and state: an `hk.Sequential`, `hk.DeepRNN` or
+    # other module without parameters of its own is only known during the call.
+    lists_every_layer: ClassVar[bool] = False
 
     def _intercepted(self, run: Callable[[], Any], *, applies: bool) -> Any:
         # `applies`: whether `run` opens the model's own transform (`apply`) or runs in

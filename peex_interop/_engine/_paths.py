@@ -37,6 +37,12 @@ class AbstractConverted(eqx.Module):
     # the model as an argument instead.
     __getattribute__ = object.__getattribute__
 
+    # Whether `layers()` lists every layer a call can run. Those of Haiku and function
+    # models are read off their parameters: a layer without any (an `hk.Sequential`, a
+    # dropout function) is only known during the call, so a selection of such a model is
+    # checked after its call (`HookContext.check_reached`), not before.
+    lists_every_layer: ClassVar[bool] = True
+
     @abc.abstractmethod
     def layers(self) -> dict[tuple[str, ...], Any] | None:
         """Local path -> the library's module (or its type; `None` where unknown), or
@@ -194,8 +200,9 @@ def module_paths(root: Any) -> dict[str, Any]:
 
 
 def known_module_paths(root: Any) -> dict[str, Any] | None:
-    """`module_paths(root)`, or None where some converted model cannot list its layers
-    before it is called (a linen or function model's layers exist only during a call)."""
+    """`module_paths(root)`, or None where some converted model cannot list all its
+    layers before it is called (a linen model's layers exist only during a call, a Haiku
+    model's without parameters too)."""
     paths: dict[str, Any] = {}
     return paths if _add_module_paths(root, paths) else None
 
@@ -210,7 +217,7 @@ def _add_module_paths(root: Any, paths: dict[str, Any]) -> bool:
             paths.setdefault(join(*path), node)
         if isinstance(node, AbstractConverted):
             layers = node.layers()
-            complete = complete and layers is not None
+            complete = complete and layers is not None and node.lists_every_layer
             for local, layer in (layers or {}).items():
                 paths.setdefault(join(*path, *local), layer)
     return complete

@@ -138,11 +138,11 @@ class Selection:
                 f"rename= maps several layers to the same log key(s) {doubled}: their "
                 "logs would overwrite each other (or their cotangents add up)"
             )
-        return cls(
-            _as_tuple(layer_names, "layer_names takes a sequence of dotted layer paths"),
-            _as_tuple(where, f"where= takes {_WHERE_TAKES}"),
-            renames,
-        )
+        criteria = _as_tuple(where, f"where= takes {_WHERE_TAKES}")
+        for criterion in criteria or ():
+            if not isinstance(criterion, (str, type, Kind, Not, AllOf)) and not callable(criterion):
+                raise HookError(f"where= takes {_WHERE_TAKES}; got {criterion!r}")
+        return cls(_as_tuple(layer_names, "layer_names takes a sequence of dotted layer paths"), criteria, renames)
 
     @property
     def rename(self) -> dict[str, str]:
@@ -224,8 +224,6 @@ class Selection:
                         f"where type {criterion.__name__} matches no layer of "
                         f"{model_name}; its layers are of types: {', '.join(kinds)}"
                     )
-            elif not (callable(criterion) or isinstance(criterion, (Kind, Not, AllOf))):
-                raise HookError(f"where= takes {_WHERE_TAKES}; got {criterion!r}")
 
 
 def names_inner(criterion: Any) -> bool:
