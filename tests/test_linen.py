@@ -198,6 +198,98 @@ def test_paths_are_linen_scope_paths(built):
     assert set(log) == {"blocks_1.mlp"}
 
 
+class DenseLoRA(nn.Module):
+    """Flax's own `nn.share_scope` example: the wrapper takes its base's scope."""
+
+    base: nn.Dense
+    rank: int
+
+    def setup(self):
+        nn.share_scope(self, self.base)
+
+    @nn.compact
+    def __call__(self, x):
+        a = self.param("A", nn.initializers.normal(1.0), (x.shape[-1], self.rank))
+        b = self.param("B", nn.initializers.normal(1.0), (self.rank, self.base.features))
+        return self.base(x) + x @ a @ b
+
+
+class LoRANet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="head")(DenseLoRA(nn.Dense(3), rank=2)(x))
+
+
+class SharedAtTheRoot(nn.Module):
+    def setup(self):
+        self.inner = nn.Dense(3)
+        nn.share_scope(self, self.inner)  # the child takes the root's scope
+
+    def __call__(self, x):
+        return 2 * self.inner(x)
+
+
+def test_modules_sharing_a_scope_are_layers_of_their_own():
+    # Both calls have the scope path Dense_0 (the root's: ()); the one called inside is
+    # named under the other by its own name, and logged, edited and differentiated as a layer.
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    net = LoRANet()
+    variables = net.init(jax.random.key(0), x)
+    model, p, head = from_linen(net, variables), variables["params"]["Dense_0"], variables["params"]["head"]
+    base = x @ p["kernel"] + p["bias"]
+    lora = base + x @ p["A"] @ p["B"]
+    out, log = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
+    close(out, net.apply(variables, x))
+    assert set(log) == {"Dense_0.Dense_0", "Dense_0", "head"}
+    close(log["Dense_0.Dense_0"], base)
+    close(log["Dense_0"], lora)
+    edited, _ = px.ForwardHook(model, hook_fn=lambda y: y + 1, where="Dense_0.Dense_0")(x)
+    close(edited, (lora + 1) @ head["kernel"] + head["bias"])
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where="Dense_0.Dense_0").init(x)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(hooked)
+    _, pullback = jax.vjp(lambda y: jnp.sum(((y + x @ p["A"] @ p["B"]) @ head["kernel"] + head["bias"]) ** 2), base)
+    close(grads.log["Dense_0.Dense_0"], pullback(jnp.ones(()))[0])
+
+    # A transfer of the shared scope into a plain Dense would drop A and B (was done silently).
+    plain = nn.Sequential([nn.Dense(3), nn.Dense(2)])
+    dst = from_linen(plain, plain.init(jax.random.key(2), x))
+    for inputs in ({}, {"inputs": x}):
+        with pytest.raises(px.HookError, match=r"cannot map layer 'Dense_0'"):
+            px.transfer_params(model, dst, {"Dense_0": "layers_0", "head": "layers_1"}, **inputs)
+
+    root = SharedAtTheRoot()
+    variables = root.init(jax.random.key(1), x)
+    out, log = px.ForwardHook(from_linen(root, variables), log_fn=px.IdentityLog())(x)
+    assert set(log) == {"inner"}  # was an empty log: the child's scope path is the root's
+    close(log["inner"], x @ variables["params"]["kernel"] + variables["params"]["bias"])
+    close(out, 2 * log["inner"])
+
+
+class Reparametrised(nn.Module):
+    wrapper: type
+
+    @nn.compact
+    def __call__(self, x):
+        layer = nn.Dense(3, name="lin")
+        if self.wrapper is nn.SpectralNorm:
+            return nn.SpectralNorm(layer, name="norm")(x, update_stats=False)
+        return nn.WeightNorm(layer, name="norm")(x)
+
+
+@pytest.mark.parametrize("wrapper", [nn.WeightNorm, nn.SpectralNorm])
+def test_a_layer_a_weight_or_spectral_norm_wraps_is_not_transferred(wrapper):
+    # The wrapper keeps scales (sigma, u) named after the layer's kernel in its own scope and
+    # calls the layer with other weights: copying the stored kernel alone (as before) was wrong.
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    net = Reparametrised(wrapper)
+    src = from_linen(net, net.init(jax.random.key(0), x), mutable=False)
+    plain = nn.Sequential([nn.Dense(3)])
+    dst = from_linen(plain, plain.init(jax.random.key(1), x))
+    for a, b, mapping in ((src, dst, {"lin": "layers_0"}), (dst, src, {"layers_0": "lin"})):
+        with pytest.raises(px.HookError, match=r"cannot map layer 'lin': its parameters are reparametrised .* 'norm'"):
+            px.transfer_params(a, b, mapping)
+
+
 def test_scan_logs_are_stacked_where_linen_captures_nothing(built):
     module, variables, x, _ = built["lifted"]
     converted = from_linen(module, variables)

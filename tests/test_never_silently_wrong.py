@@ -281,3 +281,49 @@ def test_a_state_closed_over_by_a_transform_body_survives_the_engines_shape_pass
     close(grads.log["lin"], jax.grad(rest)(jax.vmap(model.lin)(xs)))
     plain = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(m(xs, fresh())) ** 2))(model)
     jax.tree.map(close, eqx.filter(grads.model, eqx.is_inexact_array), eqx.filter(plain, eqx.is_inexact_array))
+
+
+class GatedLinear(eqx.nn.Linear):
+    """A Linear subclass with an array of its own: no other library's Linear holds it."""
+
+    gate: jax.Array
+
+    def __init__(self, key):
+        super().__init__(3, 3, key=key)
+        self.gate = jnp.full((3,), 2.0)
+
+    def __call__(self, x):
+        return self.gate * super().__call__(x)
+
+
+class Holder(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def test_a_transfer_never_drops_arrays_a_layer_layout_does_not_read():
+    gated, plain = Holder(GatedLinear(KEYS[2])), Holder(eqx.nn.Linear(3, 3, key=KEYS[3]))
+    # Copying weight and bias alone (as before) gave a model off by the gate, silently.
+    assert not jnp.allclose(gated(X), gated.lin.weight @ X + gated.lin.bias)
+    for src, dst in ((gated, plain), (plain, gated)):
+        for inputs in ({}, {"inputs": X}):
+            with pytest.raises(px.HookError, match=r"cannot map layer 'lin': its parameters \['gate'\]"):
+                px.transfer_params(src, dst, {"lin": "lin"}, **inputs)
+
+
+def test_a_layer_whose_weight_a_wrapper_reparametrises_is_not_transferred():
+    # eqx.nn.WeightNorm calls its layer with g * v / |v|, eqx.nn.SpectralNorm with W / sigma:
+    # the stored weight, copied alone (as before, mapping the inner layer), is not the one used.
+    linear = eqx.nn.Linear(3, 3, key=KEYS[4])
+    normed = eqx.nn.WeightNorm(linear)
+    normed = Holder(eqx.tree_at(lambda w: w.g, normed, 3 * normed.g))
+    spectral, state = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(linear, "weight", key=KEYS[5])
+    plain = Holder(eqx.nn.Linear(3, 3, key=KEYS[3]))
+    assert not jnp.allclose(normed(X), linear(X))
+    for wrapped, name in ((normed, "WeightNorm"), (Holder(spectral), "SpectralNorm")):
+        for src, dst in ((wrapped, plain), (plain, wrapped)):
+            mapping = {"lin.layer": "lin"} if src is wrapped else {"lin": "lin.layer"}
+            with pytest.raises(px.HookError, match=f"reparametrised by the {name} holding it"):
+                px.transfer_params(src, dst, mapping)

@@ -828,3 +828,44 @@ def test_transfer_into_a_model_with_a_collective_over_the_batch_maps_it_over_a_b
     ported = px.transfer_params(Batched(a), Batched(b), {"model.lin": "model.lin", "model.bn": "model.bn"}, inputs=xs)
     # Against the source run by NNX itself over the batch.
     close(ported(xs), nnx.vmap(lambda m, x: m(x), in_axes=(None, 0), axis_name="batch")(px.to_nnx(a), xs))
+
+
+class WithLoRA(nnx.Module):
+    def __init__(self, lin):
+        self.lin = lin
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def test_a_lora_linear_is_not_transferred_as_its_base_linear():
+    # nnx.LoRALinear is an nnx.Linear whose `lora` adds to its output: copying kernel and
+    # bias alone (as before) silently dropped it, in either direction.
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    lora = WithLoRA(nnx.LoRALinear(5, 3, lora_rank=2, rngs=nnx.Rngs(0)))
+    lora.lin.lora.lora_b.set_value(jnp.ones_like(lora.lin.lora.lora_b.get_value()))
+    plain = WithLoRA(nnx.Linear(5, 3, rngs=nnx.Rngs(1)))
+    base = x @ lora.lin.kernel.get_value() + lora.lin.bias.get_value()
+    assert not np.allclose(lora(x), base)
+    for src, dst in ((lora, plain), (plain, lora)):
+        for inputs in ({}, {"inputs": x}):
+            unread = r"cannot map layer 'lin': its parameters \['lora\.lora_a', 'lora\.lora_b'\]"
+            with pytest.raises(px.HookError, match=unread):
+                px.transfer_params(px.from_nnx(src), px.from_nnx(dst), {"lin": "lin"}, **inputs)
+
+
+def test_a_layer_a_weight_or_spectral_norm_wraps_is_not_transferred():
+    # nnx.WeightNorm and nnx.SpectralNorm call their layer with other weights than its stored
+    # kernel: copying the kernel alone (as before) gave another function.
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    plain = WithLoRA(nnx.Linear(5, 3, rngs=nnx.Rngs(1)))
+    for wrapper in (nnx.WeightNorm, nnx.SpectralNorm):
+        wrapped = WithLoRA(wrapper(nnx.Linear(5, 3, rngs=nnx.Rngs(2)), rngs=nnx.Rngs(3)))
+        for src, dst, mapping in ((wrapped, plain, {"lin.layer_instance": "lin"}),
+                                  (plain, wrapped, {"lin": "lin.layer_instance"})):
+            with pytest.raises(px.HookError, match=f"reparametrised by the {wrapper.__name__} holding it"):
+                px.transfer_params(px.from_nnx(src), px.from_nnx(dst), mapping)
+    wrapped = WithLoRA(nnx.WeightNorm(nnx.Linear(5, 3, rngs=nnx.Rngs(2)), rngs=nnx.Rngs(3)))
+    layer = wrapped.lin.layer_instance
+    stored = x @ layer.kernel.get_value() + layer.bias.get_value()
+    assert not np.allclose(wrapped(x), stored)

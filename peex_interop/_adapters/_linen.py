@@ -34,7 +34,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._engine import _context, _inner_sites, _patching, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse
+from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse, refuse_unread
 from .._engine._paths import AbstractConverted, float_size
 from ._flax import flax_transpose_spec
 from ._replace import replace
@@ -453,8 +453,39 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
     cell = isinstance(modules.get(local), nn.RNNCellBase) or set(params) in (_LSTM_NAMES, _GRU_NAMES)
     if not _own(params) and not cell:
         return Container(tuple(".".join(p) for p in _subtree_paths(params) if _own(_node(params, p))), state)
+    wrapper = _reparametrising(variables, local)
+    if wrapper is not None:
+        raise refuse(
+            path,
+            f"its parameters are reparametrised by the module at {wrapper or 'the root'!r} (an nn.WeightNorm or "
+            "nn.SpectralNorm keeps their scales or spectral norms), which calls it with other weights than the "
+            "stored ones; transfer into or from a model without it",
+        )
     kind, spec, orders, facts = _linen_spec(variables, local, modules)
+    # A LoRA wrapper sharing its Dense's scope (`nn.share_scope`) adds its own parameters.
+    read = {relative[0] for locations, _ in spec.values() for collection, relative in locations
+            if collection == "params"}
+    refuse_unread(path, kind, "linen scope holding them", set(_own(params)), read)
     return Layout(kind, _values(variables, local, spec), {}, orders, facts, state)
+
+
+def _reparametrising(variables: Mapping[str, Any], local: Path) -> str | None:
+    """The path of the module reparametrising the parameters of the layer at `local`,
+    if any: linen's `nn.WeightNorm` and `nn.SpectralNorm` keep, in their own scope (the
+    layer's parent, or a sibling of the layer), variables named after the layer's
+    parameters: `<layer name>/kernel/scale`, `<layer name>/kernel/sigma`."""
+    if not local:
+        return None
+    for collection in variables.values():
+        parent = _node(collection, local[:-1])
+        if not isinstance(parent, Mapping):
+            continue
+        for name, node in [("", parent), *parent.items()]:
+            if isinstance(node, Mapping) and any(
+                isinstance(key, str) and key.startswith(f"{local[-1]}/") for key in node
+            ):
+                return ".".join((*local[:-1], name) if name else local[:-1])
+    return None
 
 
 # -- metadata boxes ------------------------------------------------------------------
@@ -570,21 +601,39 @@ class _Interception:
     """One hooked call of one `LinenModule`: its interceptor."""
 
     owner: LinenModule
+    # The modules whose hooked methods are running (the root's included), outermost
+    # first, with the paths their calls got.
+    running: list[tuple[nn.Module, Path]] = dataclasses.field(default_factory=list)
 
     def intercept(self, next_f: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
-        # The root's call is the converted module's own call site; lifted-transform
-        # wrappers run under other method names; nn.scan's pre-pass is not a call.
-        if (
-            context.method_name not in self.owner.methods
-            or not module.path
-            or _silenced_in_thread.items
-        ):
+        # Lifted-transform wrappers run under other method names; nn.scan's pre-pass is
+        # not a call.
+        if context.method_name not in self.owner.methods or _silenced_in_thread.items:
             return next_f(*args, **kwargs)
-        local = tuple(str(part) for part in module.path)
-        if context.method_name != "__call__":
-            local = (*local, context.method_name)
-        return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module)
+        local = self._path(module)
+        self.running.append((module, local))
+        try:
+            # The root's call is the converted module's own call site.
+            if not local:
+                return next_f(*args, **kwargs)
+            if context.method_name != "__call__":
+                local = (*local, context.method_name)
+            return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module)
+        finally:
+            self.running.pop()
+
+    def _path(self, module: nn.Module) -> Path:
+        """The module's scope path; but a module given the scope of one whose call it
+        runs inside (`nn.share_scope`: a LoRA wrapper and its base, a child sharing its
+        parent's parameters) is named under that one's path by its own name, as its
+        own layer: one path for both would make it the same layer, its call unlogged.
+        (The clones linen's lifted transforms call have scopes of their own.)"""
+        path = tuple(str(part) for part in module.path)
+        for outer, outer_path in reversed(self.running):
+            if outer.scope is module.scope and outer is not module:
+                return (*outer_path, str(module.name))
+        return path
 
 
 def _scan_with_silent_prepass(original: Callable) -> Callable:

@@ -46,6 +46,7 @@ from .._engine._layouts import (
     placed,
     put_like,
     refuse,
+    refuse_unread,
 )
 from .._engine._paths import AbstractConverted
 from ._flax import flax_transpose_spec
@@ -567,6 +568,14 @@ def _cache_spec(layer: nnx.Module, path: str) -> dict:
     return spec
 
 
+# Its stored kernel is not the one it computes with (scaled to unit norm, or divided by
+# its spectral norm).
+_REPARAMETRISED = (
+    "its parameters are reparametrised by the {wrapper} holding it, which calls it with other weights than "
+    "the stored ones; transfer into or from a model without it"
+)
+
+
 def _nnx_layout(modules: dict[Path, nnx.Module], local: Path) -> Layout | Container:
     path = ".".join(local)
     layer, parent = _find(modules, local)
@@ -579,7 +588,16 @@ def _nnx_layout(modules: dict[Path, nnx.Module], local: Path) -> Layout | Contai
         parts = [".".join(p) for p, m in _paths(layer) if p and any(isinstance(v, nnx.Param) for v in vars(m).values())]
         if parts or state is not None:
             return Container(tuple(parts), state)
+    if isinstance(parent, (nnx.WeightNorm, nnx.SpectralNorm)):
+        raise refuse(path, _REPARAMETRISED.format(wrapper=type(parent).__name__))
     kind, spec, orders, facts = _nnx_spec(layer, parent, local[-1] if local else "", path)
+    # An nnx.LoRALinear is a Linear whose `lora` adds to its output.
+    read = {attribute for attributes, _ in spec.values() for attribute in attributes}
+    held = {
+        ".".join((*p, name)) for p, module in _paths(layer) for name, value in vars(module).items()
+        if isinstance(value, nnx.Param)
+    }
+    refuse_unread(path, kind, type(layer).__name__, held, read)
     params = {name: placed(_value(layer, attributes), ax) for name, (attributes, ax) in spec.items()}
     return Layout(kind, params, {}, orders, facts, state)
 

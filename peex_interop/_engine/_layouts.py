@@ -136,6 +136,19 @@ def refuse(path: str, reason: str) -> HookError:
     return HookError(f"transfer_params cannot map layer {path!r}: {reason}")
 
 
+def refuse_unread(path: str, kind: str, layer: str, held: set[str], read: set[str]) -> None:
+    """Refuse a layer holding parameters (`held`, by name) that its kind's layout does
+    not read (`read`): a transfer would silently drop them (a LoRA update beside a
+    linear layer's kernel, a gate in a subclass of one)."""
+    if held - read:
+        raise refuse(
+            path,
+            f"its parameters {sorted(held - read)} are not part of a {kind} layer's ({sorted(held & read)}): "
+            f"a {layer} has no counterpart in another library; fold them into the layer's own (a LoRA update "
+            "into its kernel) before transferring",
+        )
+
+
 def _atoms(entries: Axes) -> list[str]:
     return [atom for entry in entries for atom in entry]
 
