@@ -3,10 +3,14 @@ error: tied weights, renames onto generated keys, layers used through other meth
 stacks run by indexing, non-array log leaves inside transforms, and the closed-world
 rule (every explicit pattern reaches a call)."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from zephyr.building.tracing import trace
+from zephyr.nets import linear
 
 import peex_interop as px
 from models import BatchedNormalised, close, normalised
@@ -327,3 +331,151 @@ def test_a_layer_whose_weight_a_wrapper_reparametrises_is_not_transferred():
             mapping = {"lin.layer": "lin"} if src is wrapped else {"lin": "lin.layer"}
             with pytest.raises(px.HookError, match=f"reparametrised by the {name} holding it"):
                 px.transfer_params(src, dst, mapping)
+
+
+# -- inputs passed by keyword -------------------------------------------------------------
+class ByKeyword(eqx.Module):
+    lin: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(x=jnp.tanh(self.lin(x=x)))
+
+
+def keyword_function(params, x):
+    return linear(params["head"], x=jnp.tanh(linear(params["lin"], x=x, out_dim=4)), out_dim=2)
+
+
+def by_keyword(library):
+    """`(hooked model, head(h), hidden(x))` for a model of `library` whose every layer
+    gets its input by keyword (`head(inputs=h)`): the head as a function of its input,
+    and the head's input as a function of the model's."""
+    if library == "equinox":
+        model = ByKeyword(eqx.nn.Linear(3, 4, key=KEYS[0]), eqx.nn.Linear(4, 2, key=KEYS[1]))
+        return model, model.head, lambda x: jnp.tanh(model.lin(x))
+    if library == "haiku":
+        import haiku as hk
+
+        def layers():
+            return hk.Linear(4, name="lin"), hk.Linear(2, name="head")
+
+        def net(x):
+            lin, head = layers()
+            return head(inputs=jnp.tanh(lin(inputs=x)))
+
+        params = hk.transform(net).init(KEYS[2], X)
+        lin = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(4, name="lin")(x))).apply
+        head = hk.without_apply_rng(hk.transform(lambda h: hk.Linear(2, name="head")(h))).apply
+        return (px.from_haiku(hk.transform(net), params), lambda h: head(params, h),
+                lambda x: jnp.tanh(lin(params, x)))
+    if library == "linen":
+        import flax.linen as nn
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(2, name="head")(inputs=jnp.tanh(nn.Dense(4, name="lin")(inputs=x)))
+
+        variables = Net().init(KEYS[2], X)
+        dense = {name: nn.Dense(width) for name, width in (("lin", 4), ("head", 2))}
+        layer = {name: (lambda v, name=name: dense[name].apply({"params": variables["params"][name]}, v))
+                 for name in dense}
+        return px.from_linen(Net(), variables), layer["head"], lambda x: jnp.tanh(layer["lin"](x))
+    if library == "function":
+        params = trace(keyword_function, KEYS[2], X)
+        return (px.from_function(keyword_function, params, layers=[linear]),
+                lambda h: linear(params["head"], h, 2), lambda x: jnp.tanh(linear(params["lin"], x, 4)))
+    from flax import nnx
+
+    class NnxNet(nnx.Module):
+        def __init__(self, rngs):
+            self.lin, self.head = nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(inputs=jnp.tanh(self.lin(inputs=x)))
+
+    live = NnxNet(nnx.Rngs(3))
+    return px.from_nnx(live), live.head, lambda x: jnp.tanh(live.lin(x))
+
+
+@pytest.mark.parametrize("library", ["equinox", "haiku", "linen", "nnx", "function"])
+def test_pre_hooks_see_and_edit_inputs_passed_by_keyword(library):
+    # Passed by keyword, the input was no positional input: the log was `()`, the edit
+    # not applied, the cotangent not logged.
+    model, head, hidden = by_keyword(library)
+    h = hidden(X)
+    # A function model's layer takes its params first.
+    first = 1 if library == "function" else 0
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), pre_hook=True)(X)
+    close(log["head"][first], h)
+
+    def zero_input(args):
+        return (*args[:first], args[first] * 0, *args[first + 1:])
+
+    edited, _ = px.ForwardHook(model, hook_fn=zero_input, pre_hook=True, where="head")(X)
+    close(edited, head(jnp.zeros_like(h)))
+    hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), pre_hook=True, where="head").init(X)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(X) ** 2))(hooked)
+    out, pullback = jax.vjp(head, h)
+    close(grads.log["head"][first], pullback(2 * out)[0])
+
+
+class KeywordOnly(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x, *, scale):
+        return self.lin(x) * scale
+
+
+class UsesKeywordOnly(eqx.Module):
+    layer: KeywordOnly
+
+    def __call__(self, x):
+        return self.layer(x, scale=jnp.array(2.0))
+
+
+def test_a_pre_hook_refuses_a_call_passing_float_arrays_to_keyword_only_parameters():
+    model = UsesKeywordOnly(KeywordOnly(eqx.nn.Linear(3, 3, key=KEYS[0])))
+    refused = r"layer 'layer'.*by keyword \(scale\)"
+    with pytest.raises(px.HookError, match=refused):
+        px.ForwardHook(model, log_fn=px.IdentityLog(), pre_hook=True, where="layer")(X)
+    with pytest.raises(px.HookError, match=refused):
+        px.BackwardHook(model, log_fn=px.IdentityLog(), pre_hook=True, where="layer").init(X)
+    # Hooks of its output and pre_hook_fn, which takes (args, kwargs), are not refused.
+    _, log = px.ForwardHook(model, pre_log_fn=px.IdentityLog(), where="layer")(X)
+    close(log["layer:in"][1]["scale"], 2.0)
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="layer")(X)
+    close(log["layer"], model(X))
+
+
+def test_a_function_model_reaches_layer_functions_its_closure_holds():
+    # Held in the closure of the model's function, not in a module global: no call was
+    # replaced, and the log was silently empty.
+    def closure_model():
+        layer = linear
+
+        def function(params, x):
+            return layer(params["lin"], x, 2)
+
+        return function
+
+    function = closure_model()
+    params = trace(function, KEYS[2], X)
+    model = px.from_function(function, params, layers=[linear])
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog())(X)
+    close(log["lin"], linear(params["lin"], X, 2))
+    edited, _ = eqx.filter_jit(lambda m: px.ForwardHook(m, hook_fn=lambda y: y * 0, where="lin")(X))(model)
+    close(edited, jnp.zeros(2))
+    assert function.__closure__[0].cell_contents is linear  # undone
+
+
+def test_a_function_model_whose_layer_calls_no_hook_reaches_raises():
+    # A partial made before the call holds the layer function where nothing replaces it.
+    layer = functools.partial(linear, out_dim=2)
+
+    def function(params, x):
+        return layer(params["lin"], x)
+
+    model = px.from_function(function, trace(function, KEYS[2], X), layers=[linear])
+    with pytest.raises(px.HookError, match=r"no call of its layer functions \(linear\) was reached"):
+        px.ForwardHook(model, log_fn=px.IdentityLog())(X)

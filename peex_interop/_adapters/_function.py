@@ -160,9 +160,20 @@ class FunctionModule(AbstractConverted):
         with _patching.patched(targets):
             _calls().append(call)
             try:
-                return self.fn(call.params, *args, **kwargs)
+                output = self.fn(call.params, *args, **kwargs)
             finally:
                 _calls().remove(call)
+        if not call.reached and functions:
+            # Not even a call without parameters: an empty log would read as "nothing
+            # to log" where the model calls its layers through names not replaced.
+            names = ", ".join(sorted(_name(function) for function in functions))
+            raise HookError(
+                f"px.from_function({_name(self.fn)}): no call of its layer functions ({names}) was reached during "
+                "the hooked call: the model calls them through a name that is not a module global (a closure, "
+                "an object attribute, a functools.partial made before the call), or calls other functions; "
+                "designate the functions it calls, through module-global names"
+            )
+        return output
 
     def layers(self) -> dict[Path, None]:
         """Every path of the params tree (containers and arrays): a layer call is named
@@ -231,6 +242,8 @@ class _Call:
             self.ids = _ids(params)
         self.params = params
         self.running: list[Path] = []
+        # How many layer calls were routed to call sites.
+        self.reached = 0
 
     def path_of(self, function: Callable, params: Any) -> Path:
         entry = self.ids.get(id(params))
@@ -298,10 +311,13 @@ def _routed(original: Callable) -> Callable:
         params = args[0] if args else kwargs.get(first)
         call = calls[-1]
         path = call.path_of(original, params)
+        call.reached += 1
         call.running.append(path)
         try:
             layer_call = functools.partial(_activations, original, path)
-            return _context.call_site(call.owner, layer_call, args, kwargs, local=path, module=layer(params))
+            return _context.call_site(
+                call.owner, layer_call, args, kwargs, local=path, module=layer(params), signature=original
+            )
         finally:
             call.running.pop()
 

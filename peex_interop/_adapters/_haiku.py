@@ -229,7 +229,9 @@ class _AbstractHaiku(AbstractConverted):
         local = transforms.local(self.methods, context)
         if local is None:
             return transforms.run(context, next_f, args, kwargs)
-        return _context.call_site(self, next_f, args, kwargs, local=local, module=context.module)
+        return _context.call_site(
+            self, next_f, args, kwargs, local=local, module=context.module, signature=context.orig_method
+        )
 
     def layer_kind(self, module: hk.Module) -> str:
         return kind_of(module, HAIKU_KINDS)

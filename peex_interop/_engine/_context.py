@@ -67,6 +67,9 @@ class Site:
     active: Any = None
     # Whether the log key is one step's (`blocks.1.attn`): its stacks' axes are sliced.
     one_step: bool = False
+    # The function whose parameters `args` and `kwargs` fill (a peex-style pre-hook
+    # binds them: `_arguments.py`).
+    signature: Callable[..., Any] | None = None
 
     @property
     def log_index(self) -> tuple:
@@ -422,7 +425,15 @@ class HookContext:
 
     # -- running a call site ----------------------------------------------------------
     def run(
-        self, call: Callable[..., Any], owner: Any, local: tuple[str, ...], path: str, module: Any, *args, **kwargs
+        self,
+        call: Callable[..., Any],
+        owner: Any,
+        local: tuple[str, ...],
+        path: str,
+        module: Any,
+        signature: Callable[..., Any],
+        *args,
+        **kwargs,
     ) -> Any:
         self.frames.append((owner, local, path, len(self.scopes), module))
         try:
@@ -461,6 +472,7 @@ class HookContext:
                 tuple((self._level(d), root) for d, root in stacks),
                 active,
                 one_step,
+                signature,
             )
             return self.policy.run_site(self, site)
         finally:
@@ -1033,6 +1045,7 @@ def call_site(
     *,
     local: tuple[str, ...] = (),
     module: Any = None,
+    signature: Callable[..., Any] | None = None,
 ) -> Any:
     """Run `call(*args, **kwargs)` as a call site of `owner` (at `local` inside it)
     through every hooking context active in this thread.
@@ -1045,6 +1058,8 @@ def call_site(
         the layer.
     - `module`: the library's module object, for `where=` types and predicates
         (defaults to `owner`).
+    - `signature`: the function whose parameters `args` and `kwargs` fill, where
+        `call` takes `(*args, **kwargs)` (defaults to `call`).
 
     **Returns:**
 
@@ -1061,7 +1076,7 @@ def call_site(
         if prefix is None:
             continue
         path = join(*prefix, *local)
-        run = functools.partial(context.run, run, owner, local, path, module)
+        run = functools.partial(context.run, run, owner, local, path, module, call if signature is None else signature)
     if run is call and not (contexts[-1].frames and contexts[-1].frames[-1][0] is owner):
         refuse_if_passed_through(type(owner).__name__, owner)
         for context in contexts:

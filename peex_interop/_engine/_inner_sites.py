@@ -43,7 +43,7 @@ def inner_site(name: str, kind: str, call: Callable[..., Any], args: tuple, kwar
             continue
         owner, local, path, _, module = context.frames[-1]
         site = InnerCall(module, name, kind)
-        run = functools.partial(context.run, run, owner, (*local, name), join(path, name), site)
+        run = functools.partial(context.run, run, owner, (*local, name), join(path, name), site, call)
     return run(*args, **kwargs)
 
 

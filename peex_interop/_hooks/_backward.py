@@ -8,6 +8,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from .._adapters._equinox import is_state
+from .._engine._arguments import pre_hook_inputs
 from .._engine._batching import per_example
 from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
 from .._engine._errors import HookError, TransformError, outside_its_vmap
@@ -154,8 +155,10 @@ class BackwardHook(AbstractHookWrapper):
 
     def run_site(self, context: HookContext, site: Site) -> Any:
         if self.pre_hook:
-            args = self._attach(context, site, site.args)
-            return site.call(*args, **site.kwargs)
+            args, kwargs = pre_hook_inputs(
+                site.path, "px.BackwardHook", site.signature or site.call, site.args, site.kwargs
+            )
+            return site.call(*self._attach(context, site, args), **kwargs)
         return self._attach(context, site, site.call(*site.args, **site.kwargs))
 
     def _attach(self, context: HookContext, site: Site, value: Any) -> Any:

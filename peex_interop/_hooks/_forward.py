@@ -4,6 +4,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
+from .._engine._arguments import pre_hook_inputs
 from .._engine._context import HookContext, Site
 from .._engine._hooking import hooking
 from .._engine._selection import Where
@@ -58,7 +59,8 @@ class ForwardHook(AbstractHookWrapper):
 
         - `model`: the `eqx.Module` to hook (it is not modified).
         - `hook_fn`: applied to each selected layer's output (or, with `pre_hook=True`,
-            to its positional `args` tuple); must keep structure, shapes and dtypes.
+            to its positional `args` tuple, with floating-point arrays passed by keyword to
+            positional parameters among them); must keep structure, shapes and dtypes.
             `None` (the default) leaves them unchanged, as `px.IdentityHook()` does.
         - `log_fn`: applied after `hook_fn`; its result is logged unless it is `None`.
         - `log`: entries to start the returned log with.
@@ -115,6 +117,7 @@ class ForwardHook(AbstractHookWrapper):
             logged = context.apply(site, "pre_log_fn", self.pre_log_fn, (args, kwargs))
             context.record(site, f"{site.key}:in", logged)
         if self.pre_hook:
+            args, kwargs = pre_hook_inputs(site.path, "px.ForwardHook", site.signature or site.call, args, kwargs)
             if self.hook_fn is not None:
                 args = context.apply_hook(site, "hook_fn", self.hook_fn, args)
             context.record(site, site.key, context.apply(site, "log_fn", self.log_fn, args))
