@@ -290,6 +290,50 @@ def test_a_layer_a_weight_or_spectral_norm_wraps_is_not_transferred(wrapper):
             px.transfer_params(a, b, mapping)
 
 
+def doubled(variables):
+    return jax.tree.map(lambda a: 2 * a, variables)
+
+
+class DenseBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="d")(x)
+
+
+class Mapped(nn.Module):
+    """Layers under `nn.map_variables` (their params doubled before use), a plain head."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.map_variables(nn.Dense, "params", trans_in_fn=doubled, init=True)(3, name="scaled")(x)
+        h = nn.map_variables(DenseBlock, "params", trans_in_fn=doubled, init=True)(name="blk")(h)
+        return nn.Dense(2, name="head")(h)
+
+
+class Unmapped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="head")(DenseBlock(name="blk")(nn.Dense(3, name="scaled")(x)))
+
+
+def test_a_layer_under_map_variables_is_logged_but_not_transferred():
+    # Its stored params are not the ones it computes with: a transfer copied them as
+    # stored (with verify=False, silently: max diff 0.04 here).
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    mapped, plain = Mapped(), Unmapped()
+    src = from_linen(mapped, mapped.init(jax.random.key(0), x))
+    dst = from_linen(plain, plain.init(jax.random.key(1), x))
+    _, log = px.ForwardHook(src, log_fn=px.IdentityLog(), where="scaled")(x)
+    stored = src.variables["params"]["scaled"]
+    close(log["scaled"], x @ (2 * stored["kernel"]) + 2 * stored["bias"])
+    for layer in ("scaled", "blk.d"):
+        for a, b in ((src, dst), (dst, src)):
+            with pytest.raises(px.HookError, match=rf"cannot map layer '{layer}': it runs inside the nn.map_variables"):
+                px.transfer_params(a, b, {layer: layer}, inputs=(x,), verify=False)
+    moved = px.transfer_params(src, dst, {"head": "head"}, inputs=(x,), verify=False)
+    close(moved.variables["params"]["head"]["kernel"], src.variables["params"]["head"]["kernel"])
+
+
 def test_scan_logs_are_stacked_where_linen_captures_nothing(built):
     module, variables, x, _ = built["lifted"]
     converted = from_linen(module, variables)

@@ -232,10 +232,12 @@ class LinenModule(AbstractConverted):
         unboxed = _unboxed(self.variables)
         return {local: _linen_layout(unboxed, local, modules or {}) for local in locals_}
 
-    def detached(self, module: nn.Module) -> nn.Module:
+    def detached(self, module: nn.Module) -> "nn.Module | _Mapped":
         """An unbound copy of a bound linen module (its submodule attributes too): its
-        class and settings without the scope, which holds the call's variables."""
-        return module.copy(parent=None)
+        class and settings without the scope, which holds the call's variables; marked
+        `_Mapped` where it runs inside an `nn.map_variables`."""
+        copy = module.copy(parent=None)
+        return _Mapped(copy, _mapping_in_thread.items[-1]) if _mapping_in_thread.items else copy
 
     def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "LinenModule":
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`: new
@@ -453,6 +455,13 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
     cell = isinstance(modules.get(local), nn.RNNCellBase) or set(params) in (_LSTM_NAMES, _GRU_NAMES)
     if not _own(params) and not cell:
         return Container(tuple(".".join(p) for p in _subtree_paths(params) if _own(_node(params, p))), state)
+    if isinstance(modules.get(local), _Mapped):
+        raise refuse(
+            path,
+            f"it runs inside the nn.map_variables {modules[local].wrapper!r}, whose trans_in_fn maps its stored "
+            "variables before it uses them: the stored parameters are not the ones it computes with; transfer "
+            "into or from a model without it",
+        )
     wrapper = _reparametrising(variables, local)
     if wrapper is not None:
         raise refuse(
@@ -467,6 +476,20 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
             if collection == "params"}
     refuse_unread(path, kind, "linen scope holding them", set(_own(params)), read)
     return Layout(kind, _values(variables, local, spec), {}, orders, facts, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mapped:
+    """A module seen inside an `nn.map_variables` (`wrapper`: that module's class)."""
+
+    module: nn.Module
+    wrapper: str
+
+
+def _maps_variables(module: nn.Module) -> bool:
+    # `nn.map_variables(Dense, ...)` is a class linen's lifted transforms name after
+    # the transform and the class: `Map_variablesDense`.
+    return type(module).__module__ == nn.transforms.__name__ and type(module).__name__.startswith("Map_variables")
 
 
 def _reparametrising(variables: Mapping[str, Any], local: Path) -> str | None:
@@ -594,6 +617,8 @@ def _save_linen_state() -> Callable[[], None]:
 _shape_pass.register(_save_linen_state)
 
 _silenced_in_thread = _context.ThreadStack()
+# The `nn.map_variables` wrappers whose modules are running in this thread (class names).
+_mapping_in_thread = _context.ThreadStack()
 
 
 @dataclasses.dataclass(eq=False)
@@ -604,15 +629,23 @@ class _Interception:
     # The modules whose hooked methods are running (the root's included), outermost
     # first, with the paths their calls got.
     running: list[tuple[nn.Module, Path]] = dataclasses.field(default_factory=list)
+    # The paths of the modules `nn.map_variables` wrappers run, with the wrappers' class
+    # names: their variables are mapped before they use them.
+    mapped: dict[Path, str] = dataclasses.field(default_factory=dict)
 
     def intercept(self, next_f: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
         # Lifted-transform wrappers run under other method names; nn.scan's pre-pass is
         # not a call.
         if context.method_name not in self.owner.methods or _silenced_in_thread.items:
+            if _maps_variables(module) and self.running:
+                # It runs the module it wraps (a clone, under its own name) afterwards.
+                self.mapped[(*self.running[-1][1], str(module.name))] = type(module).__name__
             return next_f(*args, **kwargs)
         local = self._path(module)
+        wrappers = [name for prefix, name in self.mapped.items() if local[: len(prefix)] == prefix]
         self.running.append((module, local))
+        _mapping_in_thread.items.extend(wrappers)
         try:
             # The root's call is the converted module's own call site.
             if not local:
@@ -621,6 +654,7 @@ class _Interception:
                 local = (*local, context.method_name)
             return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module)
         finally:
+            del _mapping_in_thread.items[len(_mapping_in_thread.items) - len(wrappers):]
             self.running.pop()
 
     def _path(self, module: nn.Module) -> Path:
