@@ -332,6 +332,12 @@ def test_a_layer_under_map_variables_is_logged_but_not_transferred():
                 px.transfer_params(a, b, {layer: layer}, inputs=(x,), verify=False)
     moved = px.transfer_params(src, dst, {"head": "head"}, inputs=(x,), verify=False)
     close(moved.variables["params"]["head"]["kernel"], src.variables["params"]["head"]["kernel"])
+    # Around the root, it maps every layer's.
+    root = nn.map_variables(DenseBlock, "params", trans_in_fn=doubled, init=True)()
+    src = from_linen(root, root.init(jax.random.key(2), x))
+    dst = from_linen(DenseBlock(), DenseBlock().init(jax.random.key(3), x))
+    with pytest.raises(px.HookError, match=r"cannot map layer 'd': it runs inside the nn.map_variables"):
+        px.transfer_params(src, dst, {"d": "d"}, inputs=(x,), verify=False)
 
 
 def test_scan_logs_are_stacked_where_linen_captures_nothing(built):

@@ -638,9 +638,11 @@ class _Interception:
         # Lifted-transform wrappers run under other method names; nn.scan's pre-pass is
         # not a call.
         if context.method_name not in self.owner.methods or _silenced_in_thread.items:
-            if _maps_variables(module) and self.running:
-                # It runs the module it wraps (a clone, under its own name) afterwards.
-                self.mapped[(*self.running[-1][1], str(module.name))] = type(module).__name__
+            if _maps_variables(module):
+                # It runs the module it wraps (a clone, under its own name) afterwards;
+                # wrapping the root, every module.
+                prefix = (*self.running[-1][1], str(module.name)) if self.running else ()
+                self.mapped[prefix] = type(module).__name__
             return next_f(*args, **kwargs)
         local = self._path(module)
         wrappers = [name for prefix, name in self.mapped.items() if local[: len(prefix)] == prefix]
