@@ -19,7 +19,7 @@ from equinox.nn import _attention as eqx_attention  # its module globals: how MH
 
 from .._engine import _context, _inner_sites, _patching, _shape_pass
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, put_like, refuse, refuse_unread
+from .._engine._layouts import Container, Layout, Param, axes, put_like, refuse, refuse_reparametrised, refuse_unread
 from .._engine._paths import AbstractTransparent, children, join, walk
 
 # Equinox's built-in layers, by library-independent kind (`px.KINDS`).
@@ -305,10 +305,8 @@ def equinox_layout(
         return Container(_parts(module))
     if isinstance(parent, (eqx.nn.WeightNorm, eqx.nn.SpectralNorm)) and field == "layer":
         # Its stored weight is not the one it computes with (g * v / |v|, or W / sigma).
-        raise refuse(
-            path,
-            f"its {parent.weight_name} is reparametrised by the {type(parent).__name__} holding it, which "
-            "calls it with another weight than the stored one; transfer into or from a model without it",
+        raise refuse_reparametrised(
+            path, f"its {parent.weight_name} is reparametrised by the {type(parent).__name__} holding it"
         )
     kind, fields, sizes, orders, facts = _equinox_fields(module, parent, field, path)
     # A subclass of eqx.nn.Linear may add arrays of its own (a LoRA update, a gate).

@@ -34,7 +34,17 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._engine import _context, _inner_sites, _patching, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, axes, context_mesh, placed, put_like, refuse, refuse_unread
+from .._engine._layouts import (
+    Container,
+    Layout,
+    axes,
+    context_mesh,
+    placed,
+    put_like,
+    refuse,
+    refuse_reparametrised,
+    refuse_unread,
+)
 from .._engine._paths import AbstractConverted, float_size
 from ._flax import flax_transpose_spec
 from ._replace import replace
@@ -234,10 +244,9 @@ class LinenModule(AbstractConverted):
 
     def detached(self, module: nn.Module) -> "nn.Module | _Mapped":
         """An unbound copy of a bound linen module (its submodule attributes too): its
-        class and settings without the scope, which holds the call's variables; marked
-        `_Mapped` where it runs inside an `nn.map_variables`."""
-        copy = module.copy(parent=None)
-        return _Mapped(copy, _mapping_in_thread.items[-1]) if _mapping_in_thread.items else copy
+        class and settings without the scope, which holds the call's variables; where it
+        runs inside an `nn.map_variables`, only that (`_Mapped`): it is not transferred."""
+        return _Mapped(_mapping_in_thread.items[-1]) if _mapping_in_thread.items else module.copy(parent=None)
 
     def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "LinenModule":
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`: new
@@ -456,19 +465,17 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
     if not _own(params) and not cell:
         return Container(tuple(".".join(p) for p in _subtree_paths(params) if _own(_node(params, p))), state)
     if isinstance(modules.get(local), _Mapped):
-        raise refuse(
+        raise refuse_reparametrised(
             path,
             f"it runs inside the nn.map_variables {modules[local].wrapper!r}, whose trans_in_fn maps its stored "
-            "variables before it uses them: the stored parameters are not the ones it computes with; transfer "
-            "into or from a model without it",
+            "variables before it uses them",
         )
     wrapper = _reparametrising(variables, local)
     if wrapper is not None:
-        raise refuse(
+        raise refuse_reparametrised(
             path,
             f"its parameters are reparametrised by the module at {wrapper or 'the root'!r} (an nn.WeightNorm or "
-            "nn.SpectralNorm keeps their scales or spectral norms), which calls it with other weights than the "
-            "stored ones; transfer into or from a model without it",
+            "nn.SpectralNorm, which keeps their scales or spectral norms)",
         )
     kind, spec, orders, facts = _linen_spec(variables, local, modules)
     # A LoRA wrapper sharing its Dense's scope (`nn.share_scope`) adds its own parameters.
@@ -480,9 +487,9 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
 
 @dataclasses.dataclass(frozen=True)
 class _Mapped:
-    """A module seen inside an `nn.map_variables` (`wrapper`: that module's class)."""
+    """What `detached` keeps of a module seen inside an `nn.map_variables`: that
+    wrapper's class name."""
 
-    module: nn.Module
     wrapper: str
 
 

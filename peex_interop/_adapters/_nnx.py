@@ -46,6 +46,7 @@ from .._engine._layouts import (
     placed,
     put_like,
     refuse,
+    refuse_reparametrised,
     refuse_unread,
 )
 from .._engine._paths import AbstractConverted
@@ -568,14 +569,6 @@ def _cache_spec(layer: nnx.Module, path: str) -> dict:
     return spec
 
 
-# Its stored kernel is not the one it computes with (scaled to unit norm, or divided by
-# its spectral norm).
-_REPARAMETRISED = (
-    "its parameters are reparametrised by the {wrapper} holding it, which calls it with other weights than "
-    "the stored ones; transfer into or from a model without it"
-)
-
-
 def _nnx_layout(modules: dict[Path, nnx.Module], local: Path) -> Layout | Container:
     path = ".".join(local)
     layer, parent = _find(modules, local)
@@ -589,7 +582,9 @@ def _nnx_layout(modules: dict[Path, nnx.Module], local: Path) -> Layout | Contai
         if parts or state is not None:
             return Container(tuple(parts), state)
     if isinstance(parent, (nnx.WeightNorm, nnx.SpectralNorm)):
-        raise refuse(path, _REPARAMETRISED.format(wrapper=type(parent).__name__))
+        # Scaled to unit norm, or divided by its spectral norm.
+        wrapper = type(parent).__name__
+        raise refuse_reparametrised(path, f"its parameters are reparametrised by the {wrapper} holding it")
     kind, spec, orders, facts = _nnx_spec(layer, parent, local[-1] if local else "", path)
     # An nnx.LoRALinear is a Linear whose `lora` adds to its output.
     read = {attribute for attributes, _ in spec.values() for attribute in attributes}

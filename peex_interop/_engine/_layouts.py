@@ -136,6 +136,15 @@ def refuse(path: str, reason: str) -> HookError:
     return HookError(f"transfer_params cannot map layer {path!r}: {reason}")
 
 
+def refuse_reparametrised(path: str, cause: str) -> HookError:
+    """Refuse a layer whose weights something maps before the layer uses them (a
+    WeightNorm wrapper, linen's `nn.map_variables`; `cause` says what): the stored
+    weights are not the ones it computes with, so copying them would be wrong."""
+    return refuse(
+        path, f"{cause}: the weights it computes with are not the stored ones; transfer into or from a model without it"
+    )
+
+
 def refuse_unread(path: str, kind: str, layer: str, held: set[str], read: set[str]) -> None:
     """Refuse a layer holding parameters (`held`, by name) that its kind's layout does
     not read (`read`): a transfer would silently drop them (a LoRA update beside a
