@@ -70,9 +70,16 @@ def test_statistics_of_non_finite_and_huge_values_are_exact(values):
     x = np.asarray(values, np.float32)
     rows = np.stack([x, x[::-1]])  # pooled over the vmap inside the model: each row its own first value
     hooked = px.ForwardHook(IdentityRows(eqx.nn.Identity()), log_fn=px.activation_stats(bins=4))
+
+    def inside(of):
+        return hooked(jnp.asarray(of))[1]["inner"]
+
+    def around(of):  # each row an example of a vmap around the model, pooled by px.pool_stats
+        return px.pool_stats(jax.vmap(hooked)(jnp.asarray(of)[:, None])[1], 1)["inner"]
+
     with np.errstate(all="ignore"):
-        for of in (x[None], rows):
-            log = hooked(jnp.asarray(of))[1]["inner"]
+        for of, logged in ((x[None], inside), (rows, inside), (rows, around)):
+            log = logged(of)
             exact = of.astype(np.float64)
             var = np.var(exact)
             np.testing.assert_allclose(log["mean"], np.mean(exact).astype(np.float32), rtol=1e-6)
