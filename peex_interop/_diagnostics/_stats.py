@@ -173,6 +173,15 @@ def _mean_of_groups(x: Any) -> Any:
     return jnp.tensordot(weights, x, axes=1, precision=lax.Precision.HIGHEST)
 
 
+def _pooled_moments(total: Any, squares: Any, shift: Any, count: Any) -> tuple[Any, Any]:
+    """`(mean, variance)` of equal-sized groups pooled along the leading axis, from each
+    group's sums (`_moments`): the mean of their variances plus the variance of their
+    means."""
+    means, variances = _moments(jnp, total, squares, shift, count)
+    mean = _mean_of_groups(means)
+    return mean, _mean_of_groups(variances) + _mean_of_groups((means - mean) ** 2)
+
+
 # The sums are divided where they are read, or where a whole packed log pools
 # (`_pooled_columns`, one operation for every layer), not in the step: a mean, a
 # variance and a fraction finished there were three small XLA kernels a layer, 1-2% of a
@@ -220,9 +229,7 @@ class _Spread(_Statistic):
         return _read(self.dtype, self.count, std, self.total, self.squares, self.shift)
 
     def pool(self, where: str, *, mapped: bool = False) -> "_Spread":
-        means, variances = _moments(jnp, self.total, self.squares, self.shift, self.count)
-        mean = _mean_of_groups(means)
-        var = _mean_of_groups(variances) + _mean_of_groups((means - mean) ** 2)
+        mean, var = _pooled_moments(self.total, self.squares, self.shift, self.count)
         return _Spread(jnp.zeros_like(mean), var * self.count, mean, self.count, self.dtype)
 
     def columns(self) -> tuple[tuple[int, Any, Any], ...]:
@@ -1098,9 +1105,7 @@ def _pooled_columns(x: Any, kinds: np.ndarray, moments: np.ndarray, counts: np.n
     if present & {_TOTAL, _SQUARES, _SHIFT}:
         count = jnp.asarray(counts, x.dtype)
         total, squares, shift = (x[..., moments[:, i]] for i in range(3))
-        means, variances = _moments(jnp, total, squares, shift, count)
-        mean = _mean_of_groups(means)
-        var = _mean_of_groups(variances) + _mean_of_groups((means - mean) ** 2)
+        mean, var = _pooled_moments(total, squares, shift, count)
         out = jnp.where(kinds == _TOTAL, 0, out)
         out = jnp.where(kinds == _SQUARES, var * count, out)
         out = jnp.where(kinds == _SHIFT, mean, out)
