@@ -22,10 +22,12 @@ def test_doc_snippets_run_in_order(page):
         exec(compile(snippet, str(page), "exec"), namespace)
 
 
-# What an example must print: the peex README's seed numbers, for its two examples.
+# What an example must print: the peex README's seed numbers, for its two examples, to
+# within the last digit that XLA's releases round differently (jaxlib 0.12.1 computes
+# the README's 0.23334768 as 0.23334733, unhooked models included).
 PRINTS = {
-    "peex_forward.py": ["0.23334768", "1.2571917", "1.2331474"],
-    "peex_backward.py": ["-0.68400913", "0.4777369"],
+    "peex_forward.py": [0.23334768, 1.2571917, 1.2331474],
+    "peex_backward.py": [-0.68400913, 0.4777369],
 }
 assert set(PRINTS) <= {example.name for example in EXAMPLES}  # no check lost to a rename
 
@@ -41,8 +43,9 @@ def test_examples_run(example, tmp_path, monkeypatch, capsys):
         run_in_this_process(example, tmp_path, monkeypatch)
         out = capsys.readouterr().out
     assert out
+    printed = [float(number) for number in re.findall(r"-?\d+\.\d+", out)]
     for number in PRINTS.get(example.name, []):
-        assert number in out
+        assert any(abs(value - number) <= 1e-6 for value in printed), (number, out)
 
 
 def run_in_a_process_of_its_own(example, tmp_path):
