@@ -1,7 +1,9 @@
 """Statistics logs: reduce activations (or cotangents) on the device, inside the step.
 
 Each log maps every floating-point array leaf of what it receives to a statistic, so it
-works on layers with several outputs; non-float leaves (ints, keys) are not logged.
+works on layers with several outputs; non-float leaves (ints, keys) are not logged. The
+statistics keep the tuples, lists, dicts and namedtuples around them, never the user's
+own pytree classes (`plain_containers`).
 
 Inside a `px.StatsLog` (and `px.activation_stats`) every statistic is kept in a form that
 pools exactly (`AbstractPooled`): the sums behind a mean or a variance (divided where the
@@ -30,7 +32,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from .._engine._context import CallSite, ThreadStack, zeros_like
 from .._engine._patching import entry_point
 from .._engine._pooling import AbstractPooled, is_pooled, mapped_vmaps, pool_log
-from .._hooks._logs import AbstractLog, MeanLog
+from .._hooks._logs import AbstractLog, MeanLog, plain_containers
 from ._packing import PackedLog, Packing, num_leading_axes
 
 # Bound before hooking patches `jax.lax.cond`, `jax.eval_shape` and `jax.jit`: skipping
@@ -42,8 +44,11 @@ _real_jit = entry_point(jax.jit)
 
 
 def _leafwise(statistic, value: Any) -> Any:
+    """`statistic` of every float leaf of `value` (None for other leaves), in plain
+    containers: the user's own pytree nodes are not rebuilt around statistics
+    (`plain_containers`)."""
     return jtu.tree_map(
-        lambda x: statistic(x) if eqx.is_inexact_array(x) else None, value
+        lambda x: statistic(x) if eqx.is_inexact_array(x) else None, plain_containers(value)
     )
 
 
@@ -900,7 +905,7 @@ def _stats_of(config: tuple[StatsLog, int], args: Any) -> Stats:
     forms = {name: _pooling_form(statistic, kept) for name, statistic in log.logs.items()}
     # The sums every statistic of a leaf needs, each computed once for all of them.
     terms = tuple(dict.fromkeys(term for statistic in log.logs.values() for term in _terms_of(statistic)))
-    leaves, treedef = jtu.tree_flatten(args)
+    leaves, treedef = jtu.tree_flatten(plain_containers(args))
     sums = [_Sums(x, terms) if eqx.is_inexact_array(x) and terms else None for x in leaves]
 
     def statistics(form: Callable[[Any, Any], Any]) -> Any:

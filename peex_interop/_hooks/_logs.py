@@ -1,4 +1,5 @@
 from abc import abstractmethod
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, overload
 
@@ -48,17 +49,65 @@ class IdentityLog(AbstractLog):
         return args
 
 
+# The containers a statistic keeps around its values: JAX's own pytree nodes.
+_PLAIN = (tuple, list, dict, OrderedDict, defaultdict, type(None))
+
+
+def plain_containers(value: Any) -> Any:
+    """`value` with the same leaves, in which every pytree node other than a tuple, list,
+    dict, namedtuple or None is replaced by plain containers: by its only child if it
+    has one, else by a dict of its children keyed by name where the node names them
+    (the fields of a dataclass or `eqx.Module`, the keys of a mapping), else by a tuple
+    of them in order.
+
+    What a statistics log maps its statistic over. A node of another class is the user's
+    container (e3nn's `IrrepsArray`, a `flax.struct` dataclass, an `eqx.nn.State`), made
+    to hold arrays of its own description: rebuilt around the statistics of its arrays
+    (an `IrrepsArray` of irreps `8x0e+4x1o`, 20 values, around a scalar mean), it is a
+    broken container that arithmetic, `.filter` or `float()` refuse. The statistic of a
+    container is a number, or numbers in plain containers, that any code can read.
+
+    **Arguments:**
+
+    - `value`: a pytree.
+
+    **Returns:**
+
+    A pytree of the same leaves with only plain containers (for a leaf, the leaf).
+    """
+    children = jtu.tree_flatten_with_path(value, is_leaf=lambda child: child is not value)[0]
+    if len(children) == 1 and children[0][1] is value:  # a leaf
+        return value
+    if type(value) in _PLAIN or _is_namedtuple(value):
+        return jtu.tree_map(plain_containers, value, is_leaf=lambda child: child is not value)
+    if len(children) == 1:
+        return plain_containers(children[0][1])
+    keys = [path[0] for path, _ in children]
+    if all(isinstance(key, (jtu.GetAttrKey, jtu.DictKey)) for key in keys):
+        names = [key.name if isinstance(key, jtu.GetAttrKey) else key.key for key in keys]
+        return {name: plain_containers(child) for name, (_, child) in zip(names, children)}
+    return tuple(plain_containers(child) for _, child in children)
+
+
+def _is_namedtuple(value: Any) -> bool:
+    # As JAX tells them (a tuple with `_fields`): each is its own pytree node.
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
 class MeanLog(AbstractLog):
-    """Records the mean of every array leaf."""
+    """Records the mean of every array leaf, in plain containers: tuples, lists, dicts
+    and namedtuples keep their structure, other pytree nodes do not
+    (`plain_containers`)."""
 
     def __call__(self, args: Any) -> Any:
-        return jtu.tree_map(jnp.mean, args)
+        return jtu.tree_map(jnp.mean, plain_containers(args))
 
 
 class MeanStdLog(AbstractLog):
-    """Records `(mean, std)` of every array leaf."""
+    """Records `(mean, std)` of every array leaf, in plain containers (as `px.MeanLog`)."""
 
     def __call__(self, args: Any) -> Any:
+        args = plain_containers(args)
         return jtu.tree_map(jnp.mean, args), jtu.tree_map(jnp.std, args)
 
 
