@@ -1,5 +1,6 @@
 """`make demo`: hook an MLP and a small transformer (attention + a scanned layer stack),
-print the logged paths and shapes, and show a backward log."""
+print the logged paths and shapes, the attention patterns through the attention
+weights site, and a backward log."""
 
 import equinox as eqx
 import jax
@@ -59,6 +60,21 @@ def show(title, log):
     Console().print(table)
 
 
+def show_pattern(weights):
+    blocks, heads, queries, keys = weights.shape
+    table = Table(title=f"blocks.attn.weights: block 0, head 0 of {blocks} blocks x {heads} heads (rows sum to 1)")
+    table.add_column("query")
+    for key in range(keys):
+        table.add_column(f"key {key}", justify="right")
+    for query in range(queries):
+        table.add_row(str(query), *(f"{float(w):.2f}" for w in weights[0, 0, query]))
+    Console().print(table)
+    entropy = -(weights * jnp.log(weights)).sum(-1).mean(-1)
+    for block, row in enumerate(entropy):
+        values = "  ".join(f"{float(e):.3f}" for e in row)
+        print(f"  attention entropy, blocks[{block}], heads 0-{heads - 1}: {values}")
+
+
 @eqx.filter_jit
 def run(hooked, x):
     return hooked(x)
@@ -77,6 +93,11 @@ def main():
     # The same call sites, found without running the model: the scanned stack of 3
     # blocks is one row per layer, marked x3, and the top-level rows add up to the total.
     print(px.summary(model, tokens))
+
+    # Attention patterns: the weights each attention layer forms, a site inside it,
+    # selected by name (block of the scanned stack, head, query, key).
+    _, log = run(px.ForwardHook(model, log_fn=px.IdentityLog(), where="blocks.attn.weights"), tokens)
+    show_pattern(log["blocks.attn.weights"])
 
     hooked = px.BackwardHook(model, log_fn=px.MeanStdLog(), where=["blocks", "head"]).init(tokens)
     grads = eqx.filter_jit(eqx.filter_grad(lambda h, t: jnp.mean(h(t) ** 2)))(hooked, tokens)

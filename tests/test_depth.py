@@ -21,8 +21,8 @@ def test_lists_dicts_sequential_and_helper_methods():
     out, log = px.ForwardHook(model, log_fn=px.IdentityLog())(x)
     assert set(log) == {
         "layers.0", "layers.1", "by_name.a", "seq", "seq.layers.0", "seq.layers.1",
-        "seq.layers.2", "out",
-    }  # `helper` is a method, not a layer
+        "seq.layers.2", "out", "helper",
+    }  # `helper`: a method site of the root (as in peex, a bound method is a layer)
     h0 = model.layers[0](x)
     h1 = model.layers[1](jax.nn.relu(h0))
     ha = model.by_name["a"](jax.nn.relu(h1))
@@ -31,6 +31,7 @@ def test_lists_dicts_sequential_and_helper_methods():
     close(log["layers.0"], h0)
     close(log["layers.1"], h1)
     close(log["by_name.a"], ha)
+    close(log["helper"], ha)
     close(log["seq.layers.0"], s0)
     close(log["seq.layers.1"], jnp.tanh(s0))
     close(log["seq"], s2)

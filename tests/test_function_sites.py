@@ -4,6 +4,7 @@ gradient, in all five model styles — compared with the block computed by hand 
 parameters, under `eqx.filter_jit` and `jax.checking_leaks()`."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -210,20 +211,24 @@ def test_sites_lists_function_sites_when_asked(x):
     assert [row.key for row in px.sites(twice, x, inner=True)] == ["mlp.gelu", "mlp.gelu@1", "mlp"]
 
 
-def test_a_function_held_by_a_field_is_a_site_and_a_captured_one_is_refused(x):
+def test_every_reference_to_a_function_is_a_site(x):
+    """A field, a default argument, a static field, a partial in a field or in a
+    module-level table (Hugging Face's `ACT2FN`), a closure: each call is the site,
+    logged and edited exactly, and every function is restored after the call."""
     mlp = eqx.nn.MLP(D, D, W, depth=1, activation=jax.nn.gelu, key=jax.random.key(0))
     _, log = px.ForwardHook(px.function_sites(mlp, jax.nn.gelu), log_fn=px.IdentityLog(), where="**.gelu")(x[0])
     close(log["gelu"], jax.nn.gelu(mlp.layers[0](x[0])))
     assert mlp.activation is jax.nn.gelu  # the user's model is not modified
 
-    class Captured(eqx.Module):
-        lin: eqx.nn.Linear
+    table = {"gelu_new": functools.partial(jax.nn.gelu, approximate=True), "silu": jax.nn.silu}
+    tanh_gelu = functools.partial(jax.nn.gelu, approximate=True)
 
+    def closed_over(x):
+        return tanh_gelu(x)
+
+    class Default(eqx.Module):
         def __call__(self, x, act=jax.nn.gelu):
-            return act(self.lin(x))
-
-    with pytest.raises(px.HookError, match=r"cannot intercept 'gelu' in layer '' \(Captured\).*default argument"):
-        px.function_sites(Captured(eqx.nn.Linear(D, D, key=jax.random.key(0))), jax.nn.gelu)
+            return act(x)
 
     class Static(eqx.Module):
         act: Callable = eqx.field(static=True)
@@ -231,20 +236,97 @@ def test_a_function_held_by_a_field_is_a_site_and_a_captured_one_is_refused(x):
         def __call__(self, x):
             return self.act(x)
 
-    with pytest.raises(px.HookError, match=r"in layer 'mlp' \(Static\).*static field"):
-        px.function_sites(EqxNet(Static(jax.nn.gelu)), jax.nn.gelu)  # type: ignore[arg-type]
+    class Held(eqx.Module):
+        act: Any
+
+        def __call__(self, x):
+            return self.act(x)
+
+    class Table(eqx.Module):
+        def __call__(self, x):
+            return table["gelu_new"](x)
+
+    class Closure(eqx.Module):
+        def __call__(self, x):
+            return closed_over(x)
+
+    written = jax.nn.gelu.__code__
+    for layer, expected in [
+        (Default(), jax.nn.gelu(x)),
+        (Static(tanh_gelu), tanh_gelu(x)),
+        (Held(tanh_gelu), tanh_gelu(x)),
+        (Table(), tanh_gelu(x)),
+        (Closure(), tanh_gelu(x)),
+    ]:
+        model = px.function_sites(EqxNet(layer), jax.nn.gelu)  # type: ignore[arg-type]
+        out, log = jitted(px.ForwardHook(model, log_fn=px.IdentityLog(), where="**.gelu"), x)
+        close(log["mlp.gelu"], expected)
+        close(out, expected)
+        zeroed, _ = jitted(px.ForwardHook(model, hook_fn=jnp.zeros_like, where="**.gelu"), x)
+        assert not np.any(np.asarray(zeroed)), type(layer).__name__
+        assert jax.nn.gelu.__code__ is written  # swapped back on the way out
 
 
-def test_a_function_the_engine_already_intercepts_is_refused_not_shadowed(x):
-    # jax.nn.dot_product_attention is patched by the engine (its weights are a site):
-    # a function site on it would share that patch and never run as a site of its own.
+def test_jitted_and_custom_derivative_functions_are_reached_through_partials(x):
+    """`jax.nn.silu` is a `jax.jit` (a partial is reached inside the jit: plain logs
+    work, site-aware hooks are refused there), `jax.nn.relu` a `jax.custom_jvp`
+    (reached through its class: everything works)."""
+
+    class Held(eqx.Module):
+        act: Any
+
+        def __call__(self, x):
+            return self.act(x)
+
+    for function in (jax.nn.silu, jax.nn.relu):
+        model = px.function_sites(EqxNet(Held(functools.partial(function))), function)  # type: ignore[arg-type]
+        name = f"mlp.{function.__name__}"
+        _, log = jitted(px.ForwardHook(model, log_fn=px.IdentityLog(), where=f"**.{name[4:]}"), x)
+        close(log[name], function(x))
+        grads = jax.grad(lambda x: jnp.sum(model(x) ** 2))(x)
+        hooked = px.BackwardHook(model, log_fn=px.IdentityLog(), where=f"**.{name[4:]}").init(x)
+        slots = eqx.filter_grad(lambda h, x: jnp.sum(h(x) ** 2))(hooked, x)
+        close(slots.log[name], 2 * function(x))
+        assert grads.shape == x.shape
+    site_aware = px.ForwardHook(
+        px.function_sites(EqxNet(Held(functools.partial(jax.nn.silu))), jax.nn.silu),  # type: ignore[arg-type]
+        hook_fn=lambda value, site: value, where="**.silu",
+    )
+    with pytest.raises(px.TransformError, match=r"site-aware hooks of layer 'mlp.silu'"):
+        site_aware(x)
+    plain = px.function_sites(EqxNet(Held(jax.nn.silu)), jax.nn.silu)  # type: ignore[arg-type]
+    _, log = px.ForwardHook(plain, hook_fn=lambda value, site: value, log_fn=px.IdentityLog(), where="**.silu")(x)
+    close(log["mlp.silu"], jax.nn.silu(x))  # a field holding it: outside the jit
+
+
+def test_a_function_the_engine_routes_is_a_site_too(x):
+    """`jax.nn.dot_product_attention` (whose weights the engine makes a site) named in
+    `px.function_sites` is a site of its own; Flax's `dot_product_attention_weights`
+    named there, called by an attention layer, is that layer's `.weights` site (one
+    call, one site)."""
+
     class Attend(eqx.Module):
         def __call__(self, x):
             q = x.reshape(1, -1, 1, 1)
             return jax.nn.dot_product_attention(q, q, q).reshape(x.shape)
 
     model = px.function_sites(EqxNet(Attend()), jax.nn.dot_product_attention)  # type: ignore[arg-type]
-    hooked = px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.kind("function"))
-    with pytest.raises(px.HookError, match=r"dot_product_attention is already intercepted"):
-        hooked(x)
+    out, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where=px.kind("function"))(x)
+    close(log["mlp.dot_product_attention"].reshape(x.shape), out)
     assert not _patching.is_patched(jax.nn, "dot_product_attention")  # undone on the way out
+
+    class SelfAttention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            q = nn.DenseGeneral((2, 1), name="q")(x)
+            weights = nn.attention.dot_product_attention_weights(q, q)
+            return jnp.einsum("...hqk,...khd->...qhd", weights, q).reshape(x.shape)
+
+    tokens = x.reshape(B, 2, 2)
+    variables = SelfAttention().init(jax.random.key(0), tokens)
+    linen_model = px.from_linen(SelfAttention(), variables)
+    named = px.function_sites(linen_model, nn.attention.dot_product_attention_weights)
+    for model in (linen_model, named):
+        _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="**.weights")(tokens)
+        q = nn.DenseGeneral((2, 1)).apply({"params": variables["params"]["q"]}, tokens)
+        close(log["weights"], nn.attention.dot_product_attention_weights(q, q))

@@ -239,11 +239,9 @@ def test_resnet_with_batchnorm_state(resnet, is_training):
     params_before = jax.tree.map(np.asarray, params)
     model = px.from_haiku(transformed, params, state)
     call = eqx.filter_jit(lambda h, x: h(x, is_training))
-    if not is_training:
-        # The EMAs update only in training: a pattern naming them selects no call then.
-        with pytest.raises(px.HookError, match=r"'\*\*\.mean_ema' selected no call"):
-            call(px.ForwardHook(model, log_fn=px.MeanLog(), where=["**.batchnorm_*", "**.mean_ema"]), x)
-    where = ["**.batchnorm_*", "**.mean_ema"] if is_training else "**.batchnorm_*"
+    # The EMAs update only in training: in evaluation the pattern naming them selects
+    # no call, and is no error (the model has them: they are in its state).
+    where = ["**.batchnorm_*", "**.mean_ema"]
     (out, new_state), log = call(px.ForwardHook(model, log_fn=px.MeanLog(), where=where), x)
     ref_out, ref_state = jax.jit(transformed.apply, static_argnums=4)(params, state, None, x, is_training)
     close(out, ref_out, 1e-4)
@@ -253,6 +251,76 @@ def test_resnet_with_batchnorm_state(resnet, is_training):
     model = model.with_state(new_state)
     jax.tree.map(np.testing.assert_array_equal, model.state, new_state)
     jax.tree.map(np.testing.assert_array_equal, params, params_before)  # never mutated
+
+
+def _intercepted_outputs(transformed, params, state, x, is_training, suffix):
+    """`{dotted path: output}` of the modules whose name ends with `suffix`, recorded by
+    Haiku's own interceptor around the plain model's call."""
+    outputs = {}
+
+    def record(next_f, args, kwargs, context):
+        out = next_f(*args, **kwargs)
+        name = context.module.module_name
+        if context.method_name == "__call__" and name.endswith(suffix):
+            outputs[".".join(part for part in name.split("/") if part not in ("", "~"))] = out
+        return out
+
+    with hk.intercept_methods(record):
+        transformed.apply(params, state, None, x, is_training)
+    return outputs
+
+
+@pytest.mark.parametrize("is_training", [True, False])
+def test_a_pattern_naming_layers_that_did_not_run_is_no_error(resnet, is_training):
+    # Evaluation mode reads BatchNorm's moving averages without calling `mean_ema`: the
+    # model has them (in its state), so naming them is no error; its log lacks them.
+    transformed, params, state, x = resnet
+    model = px.from_haiku(transformed, params, state)
+    call = eqx.filter_jit(lambda h, x: h(x, is_training))
+    _, log = call(px.ForwardHook(model, log_fn=px.IdentityLog(), where=["**.conv_1", "**.mean_ema"]), x)
+    expected = _intercepted_outputs(transformed, params, state, x, is_training, "/conv_1")
+    assert len(expected) == 4 and {k for k in log if k.endswith("conv_1")} == set(expected)
+    for key, value in expected.items():
+        close(log[key], value, 1e-4)
+    emas = {k for k in log if k.endswith("mean_ema")}
+    in_state = {".".join(p for p in name.split("/") if p != "~") for name in state if name.endswith("mean_ema")}
+    assert len(in_state) == 12 and emas == (in_state if is_training else set())  # every BatchNorm's
+    assert set(log) == set(expected) | emas
+    # A pattern that names nothing the model has still raises, in both modes.
+    for typo in ("**.mean_emma", "**.conv_9"):
+        with pytest.raises(px.HookError, match=rf"'{typo.replace('*', '[*]')}' selected no call"):
+            call(px.ForwardHook(model, log_fn=px.IdentityLog(), where=["**.conv_1", typo]), x)
+
+
+class Double(hk.Module):
+    """A module without parameters: known from the calls that run it only."""
+
+    def __call__(self, x):
+        return 2 * x
+
+
+def branch_fn(x, extra):
+    x = hk.Linear(3)(x)
+    return Double()(x) if extra else x
+
+
+def test_a_layer_known_from_an_earlier_call_that_did_not_run_is_no_error():
+    transformed = hk.transform(branch_fn)
+    x = jnp.ones((2, 4))
+    params = transformed.init(jax.random.key(0), x, True)
+    model = px.from_haiku(transformed, params)
+    hooked = px.ForwardHook(model, log_fn=px.IdentityLog(), where=["linear", "double"])
+    # Nothing tells of `double` before a call runs it: it could be a typo.
+    with pytest.raises(px.HookError, match=r"'double' selected no call"):
+        hooked(x, False)
+    _, log = hooked(x, True)
+    assert set(log) == {"linear", "double"}
+    # Known from that call, a later call that does not run it logs the others.
+    _, log = eqx.filter_jit(lambda h, x: h(x, False))(hooked, x)
+    assert set(log) == {"linear"}
+    close(log["linear"], x @ params["linear"]["w"] + params["linear"]["b"])
+    with pytest.raises(px.HookError, match=r"'doubel' selected no call"):
+        px.ForwardHook(model, log_fn=px.IdentityLog(), where=["linear", "doubel"])(x, False)
 
 
 def test_same_hook_line_on_equinox_model_and_haiku_twin():
@@ -376,14 +444,20 @@ def test_other_methods_are_selectable_and_init_is_never_hooked():
     transformed = hk.without_apply_rng(hk.transform(lambda x: Coder(name="coder")(x)))
     x = jnp.ones((3, 5))
     params = transformed.init(jax.random.key(0), x)
+    # Every method site by default; modules created inside a method (Haiku's
+    # `coder/~encode/down`) sit under it.
     default = px.from_haiku(transformed, params)
-    # Modules created inside a method (Haiku's `coder/~encode/down`) sit under it.
-    assert set(px.ForwardHook(default, log_fn=px.MeanLog())(x)[1]) == {"coder", "coder.encode.down", "coder.decode.up"}
+    _, log = px.ForwardHook(default, log_fn=px.IdentityLog())(x)
+    assert set(log) == {"coder", "coder.encode", "coder.encode.down", "coder.decode", "coder.decode.up"}
+    down = params["coder/~encode/down"]
+    np.testing.assert_allclose(log["coder.encode"], jnp.tanh(x @ down["w"] + down["b"]), rtol=1e-6)
+    assert {row.key: row.kind for row in px.sites(default, x)}["coder.encode"] == "method"
+    only_calls = px.from_haiku(transformed, params, methods=("__call__",))
+    _, log = px.ForwardHook(only_calls, log_fn=px.MeanLog())(x)
+    assert set(log) == {"coder", "coder.encode.down", "coder.decode.up"}
     both = px.from_haiku(transformed, params, methods=("__call__", "encode", "__init__"))
     _, log = px.ForwardHook(both, log_fn=px.IdentityLog())(x)
     assert set(log) == {"coder", "coder.encode", "coder.encode.down", "coder.decode.up"}  # no __init__
-    down = params["coder/~encode/down"]
-    np.testing.assert_allclose(log["coder.encode"], jnp.tanh(x @ down["w"] + down["b"]), rtol=1e-6)
 
 
 def test_init_of_a_model_with_a_collective_over_the_batch_runs_inside_its_vmap():

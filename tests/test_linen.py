@@ -783,12 +783,52 @@ def test_other_methods_are_selectable():
     outer = Outer()
     x = jnp.ones((1, 3))
     variables = outer.init(key(0), x)
-    _, log = px.ForwardHook(from_linen(outer, variables), log_fn=px.MeanLog())(x)
-    assert set(log) == {"coder", "coder.down", "coder.up"}
-    with_encode = from_linen(outer, variables, methods=("__call__", "encode"))
-    _, log = px.ForwardHook(with_encode, log_fn=px.IdentityLog())(x)
+    # Every method site by default (`coder.encode`: kind "method"); `methods=` restricts.
+    _, log = px.ForwardHook(from_linen(outer, variables), log_fn=px.IdentityLog())(x)
     assert set(log) == {"coder", "coder.encode", "coder.down", "coder.up"}
     close(log["coder.encode"], log["coder.down"])
+    kinds = {row.key: row.kind for row in px.sites(from_linen(outer, variables), x)}
+    assert kinds["coder.encode"] == "method" and kinds["coder.down"] == "linear"
+    only_calls = from_linen(outer, variables, methods=("__call__",))
+    _, log = px.ForwardHook(only_calls, log_fn=px.MeanLog())(x)
+    assert set(log) == {"coder", "coder.down", "coder.up"}
+
+
+class Branch(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(3)(x)
+        if train:  # layers run in training only: a Dense, and a Dropout holding no variables
+            x = nn.Dropout(0.5, deterministic=False)(nn.Dense(3)(x))
+        return x
+
+
+def test_layers_the_model_has_that_did_not_run_are_no_error():
+    branch = Branch()
+    x = jnp.arange(8.0).reshape(2, 4)
+    variables = branch.init({"params": key(0), "dropout": key(1)}, x, True)
+    model = from_linen(branch, variables)
+    training = model.with_rngs({"dropout": key(2)})
+    hooked = lambda where: px.ForwardHook(model, log_fn=px.IdentityLog(), where=where)
+    # `Dense_1` is named by the variables: known without a call.
+    _, log = hooked(["Dense_0", "Dense_1"])(x, False)
+    kernel, bias = variables["params"]["Dense_0"]["kernel"], variables["params"]["Dense_0"]["bias"]
+    assert set(log) == {"Dense_0"}
+    close(log["Dense_0"], x @ kernel + bias)
+    # `Dropout_0` holds no variables: unknown (a typo?) until a call has run it.
+    with pytest.raises(px.HookError, match=r"'Dropout_0' selected no call"):
+        hooked(["Dense_0", "Dropout_0"])(x, False)
+    _, log = px.ForwardHook(training, log_fn=px.IdentityLog(), where="Dropout_0")(x, True)
+    assert set(log) == {"Dropout_0"}
+    for call in (lambda h, x: h(x, False), eqx.filter_jit(lambda h, x: h(x, False))):
+        _, log = call(hooked(["Dense_0", "Dropout_0"]), x)
+        assert set(log) == {"Dense_0"}
+        close(log["Dense_0"], x @ kernel + bias)
+        _, log = call(px.ForwardHook(model, log_fn={"Dense_0": px.IdentityLog(), "Dense_1": px.MeanLog()}), x)
+        assert set(log) == {"Dense_0"}
+    for typo, args in (("Dropout_1", (x, False)), ("Dense_2", (x, False)), ("Dense_2", (x, True))):
+        with pytest.raises(px.HookError, match=rf"'{typo}' selected no call"):
+            px.ForwardHook(training, log_fn=px.IdentityLog(), where=["Dense_0", typo])(*args)
 
 
 def test_untreaded_transform_inside_raises_naming_the_layer():

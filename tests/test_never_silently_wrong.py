@@ -99,12 +99,44 @@ class UsesAMethod(eqx.Module):
         return self.enc.encode(x)
 
 
-def test_a_layer_used_only_through_a_method_raises_and_its_sublayers_are_hooked():
+def test_a_layer_used_only_through_a_method_raises_and_its_method_and_sublayers_are_hooked():
     model = UsesAMethod(Encoder(eqx.nn.Linear(3, 3, key=KEYS[3])))
-    with pytest.raises(px.HookError, match=r"'enc' selected no call.*method other than `__call__`"):
+    with pytest.raises(px.HookError, match=r"'enc' selected no call.*method other than `__call__`.*enc\.encode"):
         px.ForwardHook(model, log_fn=px.IdentityLog(), where="enc")(X)
     _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="enc.*")(X)
     close(log["enc.lin"], model.enc.lin(X))
+    close(log["enc.encode"], model.enc.encode(X))
+
+
+class Gated(eqx.Module):
+    lin: eqx.nn.Linear
+    mlp: eqx.nn.MLP
+
+    def __call__(self, x, extra=False):
+        x = self.lin(x)
+        return self.mlp(x) if extra else x
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "filter_jit"])
+def test_a_selection_of_layers_that_did_not_run_is_no_error(jit):
+    # A layer the model has that did not run (a branch not taken) is absent from the
+    # log, with the sites inside it (`mlp.gelu`); a typo, and a site of a layer that
+    # ran without running it, still raise.
+    model = px.function_sites(
+        Gated(eqx.nn.Linear(3, 3, key=KEYS[0]), eqx.nn.MLP(3, 3, 4, 1, activation=jax.nn.gelu, key=KEYS[1])),
+        jax.nn.gelu,
+    )
+    call = eqx.filter_jit(lambda h, x, extra: h(x, extra)) if jit else (lambda h, x, extra: h(x, extra))
+    where = ["lin", "mlp", "mlp.layers.*", "mlp.gelu"]
+    _, log = call(px.ForwardHook(model, log_fn=px.IdentityLog(), where=where), X, False)
+    assert set(log) == {"lin"}
+    close(log["lin"], model.model.lin(X))
+    _, log = call(px.ForwardHook(model, log_fn=px.IdentityLog(), where=where), X, True)
+    assert set(log) == {"lin", "mlp", "mlp.layers.0", "mlp.layers.1", "mlp.gelu"}
+    with pytest.raises(px.HookError, match=r"'lin\.gelu' selected no call"):
+        call(px.ForwardHook(model, log_fn=px.IdentityLog(), where=["lin", "lin.gelu"]), X, True)
+    with pytest.raises(px.HookError, match=r"'mlp\.layers\.2' matches no layer"):
+        px.ForwardHook(model, where=["lin", "mlp.layers.2"])
 
 
 @pytest.mark.parametrize(

@@ -280,6 +280,72 @@ def test_same_line_on_equinox_model_and_its_nnx_twin():
     close(logs["equinox"]["layers.1"], logs["nnx"]["layers.2"])
 
 
+class Branch(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.extra = nnx.Linear(3, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, extra=False):
+        x = self.lin(x)
+        return self.drop(self.extra(x)) if extra else x
+
+
+def test_layers_the_model_has_that_did_not_run_are_no_error():
+    model = px.from_nnx(Branch(nnx.Rngs(0)))
+    x = jnp.arange(8.0).reshape(2, 4)
+    for call in (lambda h, x: h(x), eqx.filter_jit(lambda h, x: h(x))):
+        _, log = call(px.ForwardHook(model, log_fn=px.IdentityLog(), where=["lin", "extra", "dro*"]), x)
+        assert set(log) == {"lin"}
+        close(log["lin"], px.to_nnx(model).lin(x))
+        _, log = call(px.ForwardHook(model, log_fn={"lin": px.IdentityLog(), "drop": px.MeanLog()}), x)
+        assert set(log) == {"lin"}
+    _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where=["lin", "extra", "drop"])(x, extra=True)
+    assert set(log) == {"lin", "extra", "drop"}
+    # A name that is no layer of the model raises before the call, as always; a pattern
+    # that matches a layer that ran but was not selected, after it.
+    with pytest.raises(px.HookError, match="'extr' matches no layer"):
+        px.ForwardHook(model, where=["lin", "extr"])
+    with pytest.raises(px.HookError, match=r"'extra' selected no call"):
+        px.ForwardHook(model, log_fn={"extra": px.IdentityLog()}, where="lin")(x, extra=True)
+
+
+class Sows(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.lin(x)
+        self.sow(nnx.Intermediate, "h", h)
+        return h
+
+
+class SowingModel(nnx.Module):
+    def __init__(self, rngs):
+        self.block = Sows(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.block(x))
+
+
+def test_counts_of_a_model_whose_layers_sow_count_its_params_only():
+    module = SowingModel(nnx.Rngs(0))
+    x = jnp.ones((2, 3))
+    with pytest.warns(DeprecationWarning, match="sow"):  # flax 0.12 deprecates sow outside nnx.capture
+        module(x)
+    # The call left its sown values in the module, as a tuple in an nnx.Intermediate.
+    assert isinstance(nnx.state(module, nnx.Intermediate)["block"]["h"].get_value(), tuple)
+    model = px.from_nnx(module)
+    by_hand = {"block": 3 * 4 + 4, "block.lin": 3 * 4 + 4, "head": 4 * 2 + 2}
+    assert px.total_params(model) == (by_hand["block"] + by_hand["head"], 0)
+    with pytest.warns(DeprecationWarning, match="sow"):
+        rows = px.summary(model, x).rows
+        sites = px.sites(model, x)
+    assert {r.path: (r.trainable, r.non_trainable) for r in rows} == {p: (n, 0) for p, n in by_hand.items()}
+    assert {s.path: s.trainable for s in sites} == by_hand
+
+
 def test_parameter_counts_and_summary_rows_match_hand_counts():
     assert px.total_params(px.from_nnx(nnx.Linear(10, 32, rngs=nnx.Rngs(0)))) == (352, 0)
     # BatchNorm's running mean and variance are not trained; RNG state is not counted.

@@ -12,7 +12,8 @@ jitted at import and compiled by the unhooked call that precedes the hooked ones
 Issue 22: the programs also feed layers unbatched inputs inside vmaps (closed over, or
 `in_axes=None`), call tied weights (`eqx.nn.Shared`, with and without biases), layers
 returning int leaves, dropout (inside scans, under `px.BackwardHook` too), layers used
-through a method other than `__call__` (an explicit selection of one raises), and stacks
+through a method other than `__call__` (the method is a site; an explicit selection of
+the layer itself raises), and stacks
 run by indexing (refused); renames onto generated keys are refused; and a second property
 edits one layer (against the hand-modified model) and differentiates every one (hooked
 gradients equal to the plain model's; the last layer's cotangent by hand). Plain
@@ -183,7 +184,9 @@ LEAVES = {
         lambda option, key: Dropped(eqx.nn.Linear(WIDTH, WIDTH, key=key), Dropout(0.5), key),
         (("", False), (".drop", False), (".lin", False)),
     ),
-    "method": (lambda option, key: Encoder(eqx.nn.Linear(WIDTH, WIDTH, key=key)), ((".lin", False),)),
+    "method": (
+        lambda option, key: Encoder(eqx.nn.Linear(WIDTH, WIDTH, key=key)), ((".encode", False), (".lin", False))
+    ),
     "indexed": (lambda option, key: Indexed(eqx.filter_vmap(_linear)(jax.random.split(key, 2))), ()),
 }
 REFUSED_LEAVES = {"indexed"}

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox.nn import _attention as eqx_attention  # its module globals: how MHA calls jax
 
-from .._engine import _context, _inner_sites, _patching, _shape_pass
+from .._engine import _context, _inner_sites, _methods, _patching, _shape_pass
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, put_like, refuse, refuse_reparametrised, refuse_unread
-from .._engine._paths import AbstractTransparent, children, join, walk
+from .._engine._paths import AbstractConverted, AbstractTransparent, children, join, walk
 
 # Equinox's built-in layers, by library-independent kind (`px.KINDS`).
 EQUINOX_KINDS: dict[type, str] = {
@@ -53,6 +53,10 @@ def equinox_kind(module: Any) -> str:
 
 def _route(original: Callable, module: eqx.Module, args: tuple, kwargs: dict) -> Any:
     return _context.call_site(module, functools.partial(original, module), args, kwargs)
+
+
+def _route_method(original: Callable, module: eqx.Module, name: str, args: tuple, kwargs: dict) -> Any:
+    return _context.call_site(module, functools.partial(original, module), args, kwargs, method=name)
 
 
 def _shared_call(original: Callable) -> Callable:
@@ -106,15 +110,21 @@ def _attention_jax(jax_module: Any) -> _inner_sites.ModuleView:
 
 
 def class_patches(types: Iterable[type]) -> list[tuple[Any, str, Any]]:
-    """Patch targets for the `__call__` of each module type (wrappers excluded: they are
-    transparent and run their own context), and for the attention weights site of
-    `eqx.nn.MultiheadAttention`."""
+    """Patch targets for the `__call__` and the site methods (`_engine/_methods.py`) of
+    each module type (wrappers excluded: they are transparent and run their own
+    context), and for the attention weights site of `eqx.nn.MultiheadAttention`."""
     # `eqx.nn.Shared` returns its tied layers, not activations: the layers it returns
     # are the call sites (named by their paths under it).
     types = list(types)
     layers = [cls for cls in types if not issubclass(cls, (AbstractTransparent, eqx.nn.Shared))]
     shared = [cls for cls in types if issubclass(cls, eqx.nn.Shared)]
-    patches = _patching.call_patches(layers, _route) + _patching.method_patches(shared, "__call__", _shared_call)
+    # A converted model's own methods (`with_state`, `carried`) are peex_interop's API.
+    with_methods = [cls for cls in layers if not issubclass(cls, AbstractConverted)]
+    patches = (
+        _patching.call_patches(layers, _route)
+        + _methods.method_call_patches(with_methods, eqx.Module, _route_method)
+        + _patching.method_patches(shared, "__call__", _shared_call)
+    )
     if any(issubclass(cls, eqx.nn.MultiheadAttention) for cls in types):
         patches.append((eqx_attention, "jax", _attention_jax))
     return patches

@@ -18,7 +18,11 @@ inside a vmap/scan body hold the body's input tracers, which `_context.origin` m
 back to the params' arrays. A layer function called without parameters (its first
 argument holds no arrays, e.g. a dropout) is named `<enclosing layer>.<function name>`.
 A call with one of zephyr's placeholders (`linear(_, _, 6)`) makes a partial, not a
-layer call: the partial's call, once it has its params and input, is.
+layer call: the partial's call, once it has its params and input, is. The first layer
+function given a params subtree in a call is that layer's; another layer function given
+the same subtree is a method of it (`embed(p["embedder"], t)` is `embedder`, then
+`attend(p["embedder"], h)` is `embedder.attend`, kind `"method"`), as a class's other
+methods are in the other libraries.
 """
 
 import collections
@@ -244,6 +248,15 @@ class _Call:
         self.running: list[Path] = []
         # How many layer calls were routed to call sites.
         self.reached = 0
+        # The first layer function each params subtree was given: another one given the
+        # same subtree is a method of that layer (`embedder.attend`).
+        self.first_function: dict[Path, Callable] = {}
+
+    def method_of(self, function: Callable, path: Path) -> str | None:
+        """`None` for a call of the layer at `path`, or the method name for a call of
+        another layer function on the same params (the tied embedding's `attend`)."""
+        first = self.first_function.setdefault(path, function)
+        return None if first is function else _name(function)
 
     def path_of(self, function: Callable, params: Any) -> Path:
         entry = self.ids.get(id(params))
@@ -316,7 +329,8 @@ def _routed(original: Callable) -> Callable:
         try:
             layer_call = functools.partial(_activations, original, path)
             return _context.call_site(
-                call.owner, layer_call, args, kwargs, local=path, module=layer(params), signature=original
+                call.owner, layer_call, args, kwargs, local=path, module=layer(params), signature=original,
+                method=call.method_of(original, path),
             )
         finally:
             call.running.pop()

@@ -17,15 +17,12 @@ import equinox as eqx
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from haiku._src import (
-    attention as hk_attention,  # its global `jax`: how MHA's softmax is called
-    base as hk_base,  # the frames: Haiku's per-transform Python state
-)
+from haiku._src import base as hk_base  # the frames: Haiku's per-transform Python state
 from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_stack
 from jax._src.interpreters.batching import BatchTracer
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _inner_sites, _patching, _shape_pass
+from .._engine import _context, _methods, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, is_abstract, lax_transpose_padding, put_like, refuse
@@ -100,9 +97,9 @@ def haiku_path(module_name: str) -> tuple[str, ...]:
     )
 
 
-def _layer_methods(methods: Sequence[str]) -> tuple[str, ...]:
+def _layer_methods(methods: Sequence[str] | None) -> tuple[str, ...] | None:
     # A constructor call is not a layer call (and its module has no name yet).
-    return tuple(method for method in methods if method != "__init__")
+    return None if methods is None else tuple(method for method in methods if method != "__init__")
 
 
 def _params_path(key: str) -> tuple[str, ...]:
@@ -115,14 +112,6 @@ def _is_internal(module_name: str) -> bool:
     # Haiku's own plumbing (e.g. layer_stack's `__layer_stack_no_per_layer`, whose call
     # returns params) is not a layer of the user's model.
     return _params_path(module_name) != haiku_path(module_name)
-
-
-def _attention_jax(jax_module: Any) -> _inner_sites.ModuleView:
-    """What `jax` is to Haiku's attention code while hooking: `hk.MultiHeadAttention`
-    computes its weights `(..., heads, q, k)` inline with `jax.nn.softmax`, which
-    becomes the site `<attention>.weights`."""
-    softmax = _inner_sites.routing(*_inner_sites.WEIGHTS)(jax_module.nn.softmax)
-    return _inner_sites.ModuleView(jax_module, nn=_inner_sites.ModuleView(jax_module.nn, softmax=softmax))
 
 
 class _Transforms:
@@ -142,17 +131,21 @@ class _Transforms:
         self.held: list[Any] = []
         self.lifting = 0  # lift calls running: at init they run the lifted init function
 
-    def local(self, methods: tuple[str, ...], context: Any) -> tuple[str, ...] | None:
-        """The path of a layer call, or None for a call that is not one."""
+    def local(self, methods: tuple[str, ...] | None, context: Any) -> tuple[str, ...] | None:
+        """The path of the module of a layer call (or method site), or None for a call
+        that is not one."""
         module, method = context.module, context.method_name
         # Interceptors also see `__init__` (module_name not yet set), every public
-        # method, and Haiku's internal modules: only selected methods of user modules
-        # are layer calls. Calls inside a lift's call make params, not the model's output.
-        plumbing = method not in methods or isinstance(module, LiftingModule) or self.lifting
-        if plumbing or _is_internal(module.module_name):
+        # method, and Haiku's internal modules: only site methods (`methods`, if given)
+        # of user modules are calls. Calls inside a lift's call make params, not the
+        # model's output.
+        if methods is None:
+            wanted = method == "__call__" or method in _methods.site_methods(type(module), hk.Module)
+        else:
+            wanted = method in methods
+        if not wanted or isinstance(module, LiftingModule) or self.lifting or _is_internal(module.module_name):
             return None
-        local = (*self._prefix(module), *haiku_path(module.module_name))
-        return local if method == "__call__" else (*local, method)
+        return (*self._prefix(module), *haiku_path(module.module_name))
 
     def run(self, context: Any, next_f: Callable, args: tuple, kwargs: dict) -> Any:
         """Run a call that is not a layer call; the params and state a lift gives out
@@ -210,7 +203,7 @@ def _array(leaf: Any) -> Any:
 class _AbstractHaiku(AbstractConverted):
     """Routes Haiku method calls made during `run` to the engine's call sites."""
 
-    methods: eqx.AbstractVar[tuple[str, ...]]
+    methods: eqx.AbstractVar[tuple[str, ...] | None]
     # Modules are listed from the params and state: an `hk.Sequential`, `hk.DeepRNN` or
     # other module without parameters of its own is only known during the call.
     lists_every_layer: ClassVar[bool] = False
@@ -222,15 +215,17 @@ class _AbstractHaiku(AbstractConverted):
             return run()
         transforms = _Transforms(len(hk_base.context_stack) + applies)
         interceptor = functools.partial(self._intercept, transforms)
-        with _patching.patched([(hk_attention, "jax", _attention_jax)]), hk.intercept_methods(interceptor):
+        with hk.intercept_methods(interceptor):
             return run()
 
     def _intercept(self, transforms: _Transforms, next_f, args, kwargs, context):
         local = transforms.local(self.methods, context)
         if local is None:
             return transforms.run(context, next_f, args, kwargs)
+        method = None if context.method_name == "__call__" else context.method_name
         return _context.call_site(
-            self, next_f, args, kwargs, local=local, module=context.module, signature=context.orig_method
+            self, next_f, args, kwargs, local=local, module=context.module, signature=context.orig_method,
+            method=method,
         )
 
     def layer_kind(self, module: hk.Module) -> str:
@@ -246,7 +241,7 @@ class HaikuFunction(_AbstractHaiku):
     `hk.transform`: wrap it with a hook wrapper there to hook its modules."""
 
     fn: Callable
-    methods: tuple[str, ...] = eqx.field(static=True)
+    methods: tuple[str, ...] | None = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._intercepted(lambda: self.fn(*args, **kwargs), applies=False)
@@ -275,13 +270,15 @@ _NO_PARAMS = (
 )
 
 
-def haiku_function(fn: Callable, *, methods: Sequence[str] = ("__call__",)) -> HaikuFunction:
+def haiku_function(fn: Callable, *, methods: Sequence[str] | None = None) -> HaikuFunction:
     """Make `fn` hookable inside your own `hk.transform`ed function.
 
     **Arguments:**
 
     - `fn`: a function that builds and calls Haiku modules.
-    - `methods`: the Haiku module methods that are layer calls.
+    - `methods`: the Haiku module methods whose calls are sites; by default `__call__`
+        and every method site (`vq.quantize`: see "What is a site" in the engine
+        docs).
 
     **Returns:**
 
@@ -308,7 +305,7 @@ class HaikuModule(_AbstractHaiku):
     apply_fn: Callable = eqx.field(static=True)
     stateful: bool = eqx.field(static=True)
     takes_rng: bool = eqx.field(static=True)
-    methods: tuple[str, ...] = eqx.field(static=True)
+    methods: tuple[str, ...] | None = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._intercepted(lambda: self.apply_fn(*self._apply_inputs(), *args, **kwargs), applies=True)
@@ -396,7 +393,7 @@ def from_haiku(
     state: PyTree = None,
     *,
     rng: PRNGKeyArray | None = None,
-    methods: Sequence[str] = ("__call__",),
+    methods: Sequence[str] | None = None,
 ) -> HaikuModule:
     """Expose a Haiku model as an `eqx.Module` that every peex_interop hook works on.
 
@@ -408,7 +405,9 @@ def from_haiku(
     - `state`: its state, for `hk.transform_with_state`.
     - `rng`: the key passed to `apply` (models with dropout); change it per step with
         `.with_rng(key)`.
-    - `methods`: the Haiku module methods that are layer calls (`__init__` never is).
+    - `methods`: the Haiku module methods whose calls are sites (`__init__` never is);
+        by default `__call__` and every method site (`vq.quantize`: see "What is a
+        site" in the engine docs).
 
     **Returns:**
 

@@ -17,7 +17,7 @@ records logs.
 
 import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import flax.linen as nn
@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 from flax.core import axes_scan
 from flax.linen import (
-    attention as linen_attention,  # its globals: how attention_fn gets its weights
+    attention as linen_attention,  # its `dot_product_attention_weights`
     module as linen_module,  # its `_context`: the modules being called
 )
 from flax.linen.spmd import logical_to_mesh_sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _inner_sites, _patching, _shape_pass
+from .._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
@@ -52,20 +52,11 @@ from ._replace import replace
 Path = tuple[str, ...]
 
 # Linen's `dot_product_attention` (the default `attention_fn` of
-# `MultiHeadDotProductAttention` and `SelfAttention`, decode mode included) forms the
-# weights `(..., heads, q, k)` with its module's `dot_product_attention_weights`.
-def _weights_site(original: Callable) -> Callable:
-    routed = _inner_sites.routing(*_inner_sites.WEIGHTS)(original)
-
-    def dot_product_attention_weights(*args: Any, **kwargs: Any) -> Any:
-        # In the silent pre-pass of an `nn.scan` no layer call is a site, so neither
-        # are the weights (they would be taken for a site of the layer around it).
-        return original(*args, **kwargs) if _silenced_in_thread.items else routed(*args, **kwargs)
-
-    return dot_product_attention_weights
-
-
-_WEIGHTS = (linen_attention, "dot_product_attention_weights", _weights_site)
+# `MultiHeadDotProductAttention` and `SelfAttention`, decode mode included), and models
+# that write their own attention (Hugging Face's), form the weights `(..., heads, q, k)`
+# with `dot_product_attention_weights`, dropout included: that call is the attention
+# layer's `.weights` site.
+_routes.register_weights_function(linen_attention.dot_product_attention_weights)
 
 LINEN_KINDS: dict[type, str] = {
     nn.Dense: "linear",
@@ -139,7 +130,9 @@ class LinenModule(AbstractConverted):
     rngs: PyTree
     definition: _Definition = eqx.field(static=True)
     mutable: Any = eqx.field(static=True)
-    methods: tuple[str, ...] = eqx.field(static=True)
+    methods: tuple[str, ...] | None = eqx.field(static=True)
+    # The variables name only the modules that hold some (`known_layers`).
+    lists_every_layer: ClassVar[bool] = False
 
     @property
     def module(self) -> nn.Module:
@@ -165,11 +158,13 @@ class LinenModule(AbstractConverted):
         if not _context.active():
             return apply()
         state = _Interception(self)
-        with (
-            _patching.patched([(axes_scan, "scan", _scan_with_silent_prepass), _WEIGHTS]),
-            nn.intercept_methods(state.intercept),
-        ):
-            return apply()
+        patches = [(axes_scan, "scan", _scan_with_silent_prepass), (nn.Module, "apply", _nested_apply)]
+        with _patching.patched(patches), nn.intercept_methods(state.intercept):
+            _intercepting.items.append(state)
+            try:
+                return apply()
+            finally:
+                _intercepting.items.pop()
 
     def with_variables(self, updates: Mapping[str, Any]) -> "LinenModule":
         """The same model with some collections replaced (e.g. the `updates` a call with
@@ -216,6 +211,12 @@ class LinenModule(AbstractConverted):
         name only the modules that hold some (`Dropout_0`, `nn.Sequential` and `nn.RNN`
         wrappers hold none), so the layers are known from a call only (`px.summary`)."""
         return None
+
+    def known_layers(self) -> dict[Path, None]:
+        """The paths of the submodules the variables name (of every collection:
+        `params`, `batch_stats`, `cache`, ...): the layers known without a call; a
+        module holding none (`Dropout_0`) is known once a call has run it."""
+        return {path: None for tree in self.variables.values() for path in _subtree_paths(tree)}
 
     def parameter_counts(self) -> tuple[int, int]:
         """`(trainable, non_trainable)`: sizes of the `params` collection, and of the
@@ -623,7 +624,8 @@ def _save_linen_state() -> Callable[[], None]:
 
 _shape_pass.register(_save_linen_state)
 
-_silenced_in_thread = _context.ThreadStack()
+# The hooked `LinenModule` calls running in this thread, innermost last.
+_intercepting = _context.ThreadStack()
 # The `nn.map_variables` wrappers whose modules are running in this thread (class names).
 _mapping_in_thread = _context.ThreadStack()
 
@@ -639,12 +641,24 @@ class _Interception:
     # The paths of the modules `nn.map_variables` wrappers run, with the wrappers' class
     # names: their variables are mapped before they use them.
     mapped: dict[Path, str] = dataclasses.field(default_factory=dict)
+    # Where the modules of the `apply` calls running inside the model sit in it
+    # (`self.lm_head.apply(...)`: `("lm_head",)`), innermost last.
+    applied: list[Path] = dataclasses.field(default_factory=list)
+
+    def place(self, module: nn.Module) -> Path:
+        """Where a module `apply`-ed during the call sits in the model: a bound
+        submodule (`self.lm_head`, tied weights applied with their own variables) at its
+        own path; one built during the call under the layer running, by its name."""
+        if module.scope is not None:
+            return (*(self.applied[-1] if self.applied else ()), *(str(part) for part in module.path))
+        name = module.name if isinstance(module.name, str) else type(module).__name__
+        return (*(self.running[-1][1] if self.running else ()), name)
 
     def intercept(self, next_f: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
         # Lifted-transform wrappers run under other method names; nn.scan's pre-pass is
         # not a call.
-        if context.method_name not in self.owner.methods or _silenced_in_thread.items:
+        if not self._is_site(module, context.method_name) or _inner_sites.silenced.items:
             if _maps_variables(module):
                 # It runs the module it wraps (a clone, under its own name) afterwards;
                 # wrapping the root, every module.
@@ -656,27 +670,48 @@ class _Interception:
         self.running.append((module, local))
         _mapping_in_thread.items.extend(wrappers)
         try:
-            # The root's call is the converted module's own call site.
-            if not local:
-                return next_f(*args, **kwargs)
-            if context.method_name != "__call__":
-                local = (*local, context.method_name)
-            return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module)
+            method = None if context.method_name == "__call__" else context.method_name
+            return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module, method=method)
         finally:
             del _mapping_in_thread.items[len(_mapping_in_thread.items) - len(wrappers):]
             self.running.pop()
+
+    def _is_site(self, module: nn.Module, method: str) -> bool:
+        if self.owner.methods is not None:
+            return method in self.owner.methods
+        return method == "__call__" or method in _methods.site_methods(type(module), nn.Module)
 
     def _path(self, module: nn.Module) -> Path:
         """The module's scope path; but a module given the scope of one whose call it
         runs inside (`nn.share_scope`: a LoRA wrapper and its base, a child sharing its
         parent's parameters) is named under that one's path by its own name, as its
         own layer: one path for both would make it the same layer, its call unlogged.
-        (The clones linen's lifted transforms call have scopes of their own.)"""
-        path = tuple(str(part) for part in module.path)
+        (The clones linen's lifted transforms call have scopes of their own.) Inside a
+        nested `apply`, scope paths start from the applied module's place."""
+        path = (*(self.applied[-1] if self.applied else ()), *(str(part) for part in module.path))
         for outer, outer_path in reversed(self.running):
             if outer.scope is module.scope and outer is not module:
                 return (*outer_path, str(module.name))
         return path
+
+
+def _nested_apply(original: Callable) -> Callable:
+    """`nn.Module.apply` while hooking: a module applied with its own variables inside
+    the model's call (HF's tied LM head, `self.lm_head.apply({"params": ...}, h)`) runs
+    on a scope of its own whose path is empty, as if it were the model itself. Its
+    calls are named from where the module sits in the model instead."""
+
+    def apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = _intercepting.items[-1] if _intercepting.items else None
+        if state is None or not state.running:
+            return original(self, *args, **kwargs)
+        state.applied.append(state.place(self))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            state.applied.pop()
+
+    return apply
 
 
 def _scan_with_silent_prepass(original: Callable) -> Callable:
@@ -691,11 +726,11 @@ def _scan_with_silent_prepass(original: Callable) -> Callable:
             if not pending:
                 return fn(*body_args)
             pending.clear()
-            _silenced_in_thread.items.append(True)
+            _inner_sites.silenced.items.append(True)
             try:
                 return fn(*body_args)
             finally:
-                _silenced_in_thread.items.pop()
+                _inner_sites.silenced.items.pop()
 
         scan_fn = original(body, *args, check_constancy_invariants=True, **kwargs)
 
@@ -715,7 +750,7 @@ def from_linen(
     *,
     rngs: Mapping[str, PRNGKeyArray] | None = None,
     mutable: bool | str | Collection[str] = False,
-    methods: Sequence[str] = ("__call__",),
+    methods: Sequence[str] | None = None,
 ) -> LinenModule:
     """Expose a Flax linen model as an `eqx.Module` that every peex_interop hook works on.
 
@@ -728,8 +763,9 @@ def from_linen(
         them per step with `.with_rngs(...)`.
     - `mutable`: the collections a call may update, as for `module.apply`; when set, a
         call returns `(output, updates)`.
-    - `methods`: the submodule methods that are layer calls (only `__call__` by
-        default; other methods log under `path.method`).
+    - `methods`: the submodule methods whose calls are sites (other methods log
+        under `path.method`); by default `__call__` and every method site
+        (`embed.attend`: see "What is a site" in the engine docs).
 
     **Returns:**
 
@@ -756,7 +792,7 @@ def from_linen(
         rngs=None if rngs is None else dict(rngs),
         definition=_Definition(module),
         mutable=_static_mutable(mutable),
-        methods=tuple(method for method in methods if method not in ("__init__", "setup")),
+        methods=None if methods is None else tuple(method for method in methods if method not in ("__init__", "setup")),
     )
 
 

@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from flax import nnx
-from flax.nnx.nn import attention as nnx_attention  # its globals: how attention_fn gets its weights
+from flax.nnx.nn import attention as nnx_attention  # its `dot_product_attention_weights`
 from flax.nnx.spmd import get_var_pspec
 from jaxtyping import PyTree
 
-from .._engine import _context, _inner_sites, _patching
+from .._engine import _context, _methods, _patching, _routes
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
@@ -49,7 +49,7 @@ from .._engine._layouts import (
     refuse_reparametrised,
     refuse_unread,
 )
-from .._engine._paths import AbstractConverted
+from .._engine._paths import AbstractConverted, float_size
 from ._flax import flax_transpose_spec
 
 Path = tuple[str, ...]
@@ -58,7 +58,7 @@ Path = tuple[str, ...]
 # forms the weights `(..., heads, q, k)` with its module's
 # `dot_product_attention_weights` when it has dropout or sows them, else it calls
 # `jax.nn.dot_product_attention` (whose weights site is the engine's, `_attention.py`).
-_WEIGHTS = (nnx_attention, "dot_product_attention_weights", _inner_sites.routing(*_inner_sites.WEIGHTS))
+_routes.register_weights_function(nnx_attention.dot_product_attention_weights)
 
 NNX_KINDS: dict[type, str] = {
     nnx.Linear: "linear",
@@ -129,6 +129,16 @@ class NnxModule(AbstractConverted):
             for path, module in _paths(self._merged())
             if path and _patching.defines(type(module), "__call__")
         }
+
+    def method_paths(self) -> tuple[Path, ...]:
+        """The local paths of the method sites of every submodule (`("embedder",
+        "attend")`), the root's included (`("encode",)`)."""
+        paths = _paths(self._merged())
+        with_methods = set(_with_methods(type(module) for _, module in paths))
+        return tuple(
+            (*path, name) for path, module in paths if type(module) in with_methods
+            for name in _methods.site_methods(type(module), nnx.Module)
+        )
 
     def parameter_counts(self) -> tuple[int, int]:
         """`(trainable, non_trainable)`: sizes of the `nnx.Param` arrays, and of the
@@ -232,13 +242,17 @@ class NnxModule(AbstractConverted):
 def _parameter_counts(state: nnx.State) -> tuple[int, int]:
     trainable = other = 0
     for variable in jtu.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        value = variable.get_value()
-        if not jnp.issubdtype(value.dtype, jnp.inexact):
+        # What a call sows (`Module.sow`: an `nnx.Intermediate` holding a tuple of the
+        # values sown; `perturb`'s probes) is an output, not a parameter: as linen's
+        # `intermediates` collection, not counted.
+        if isinstance(variable, nnx.Intermediate):
             continue
+        # A variable's value may be any pytree: its floating-point arrays count.
+        size = float_size(variable.get_value())
         if isinstance(variable, nnx.Param):
-            trainable += value.size
+            trainable += size
         else:
-            other += value.size
+            other += size
     return trainable, other
 
 
@@ -414,6 +428,10 @@ _calls = _context.ThreadStack()
 
 
 def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
+    return _route_method(original, module, None, args, kwargs)
+
+
+def _route_method(original: Callable, module: nnx.Module, method: str | None, args: tuple, kwargs: dict) -> Any:
     calls = _calls.items
     if not calls or not _context.active():
         return original(module, *args, **kwargs)
@@ -423,10 +441,15 @@ def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) ->
     try:
         return _context.call_site(
             call.owner, functools.partial(original, module), args, kwargs,
-            local=path, module=module,
+            local=path, module=module, method=method,
         )
     finally:
         call.running.pop()
+
+
+def _with_methods(types: Iterable[type]) -> list[type]:
+    # `nnx.List` and `nnx.Dict` are containers: `append` and `get` are not computations.
+    return [cls for cls in types if not issubclass(cls, (nnx.List, nnx.Dict))]
 
 
 @contextlib.contextmanager
@@ -443,7 +466,11 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
     try:
         for path, module in paths:
             setattr(module, call.attribute, path)
-        with _patching.patched([*_patching.call_patches(types, _route), _WEIGHTS]):
+        patches = [
+            *_patching.call_patches(types, _route),
+            *_methods.method_call_patches(_with_methods(types), nnx.Module, _route_method),
+        ]
+        with _patching.patched(patches):
             calls.append(call)
             try:
                 yield

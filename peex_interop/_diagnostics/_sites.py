@@ -14,7 +14,7 @@ from .._adapters._equinox import is_state, states_in
 from .._engine._context import HookContext, InnerCall, Site
 from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._engine._hooking import hooking
-from .._engine._kinds import INNER_KINDS
+from .._engine._kinds import INNER_KINDS, METHOD
 from .._engine._paths import AbstractConverted, check_model, float_size, join, key_name
 from .._engine._selection import Kind, Selection
 
@@ -99,7 +99,9 @@ class SiteRow:
     - `args`, `kwargs`: the call's arguments, arrays as `jax.ShapeDtypeStruct`.
     - `output`: the call's output, arrays as `jax.ShapeDtypeStruct`.
     - `trainable`, `non_trainable`: parameters of the layer, submodules included; of
-        one layer of a stack.
+        one layer of a stack. A method site (`embedder.attend`) shows its layer's only
+        where the layer has no row of its own (on its first method's row); a site
+        inside a layer, none.
     - `call`: which call of the layer this is (0 for the first; `n` in `path@n`).
     - `calls`: how many times the layer is called in one run of the model.
     - `lengths`: sizes of the mapped bodies enclosing the call, outermost first.
@@ -163,9 +165,12 @@ class _SiteFinder:
         # Read before the call: a layer that updates an `eqx.nn.State` invalidates the
         # one it was given.
         args, kwargs = _shapes(site.args), _shapes(site.kwargs)
-        converted = isinstance(site.owner, AbstractConverted) and site.owner is not site.module
-        if isinstance(site.module, InnerCall):
-            counts = 0, 0  # a site inside a layer holds no parameters
+        # A site inside a layer holds no parameters; a method site's are its layer's,
+        # counted where the layer's own call is (`find_sites`).
+        holds_none = isinstance(site.module, InnerCall)
+        converted = isinstance(site.owner, AbstractConverted) and site.owner is not site.module and not holds_none
+        if holds_none:
+            counts = 0, 0
         elif not converted:
             state = state_among((site.args, site.kwargs))
             counts = parameter_counts(site.module, state, self.caller, at=site.path)
@@ -207,7 +212,25 @@ def find_sites(model: Any, args: tuple, kwargs: dict, caller: str, inner: bool =
     calls: dict[str, int] = {}
     for facts in finder.found.values():
         calls[facts["path"]] = calls.get(facts["path"], 0) + 1
+    _count_layers_once(finder.found.values())
     return tuple(SiteRow(**facts, calls=calls[facts["path"]]) for facts in finder.found.values())
+
+
+def _count_layers_once(rows: Any) -> None:
+    """A method site's parameters are its layer's: they show on the layer's own row, or,
+    for a layer reached only through its methods (Gemma's `Embedder`: `encode` and
+    `decode`), on its first method row, so that the rows of the top-level layers add up
+    to the model's total."""
+    rows = list(rows)
+    called = {facts["path"] for facts in rows if facts["kind"] != METHOD}
+    counted = set()
+    for facts in rows:
+        if facts["kind"] != METHOD:
+            continue
+        layer = facts["path"].rpartition(".")[0]
+        if layer in called or layer in counted or not layer:
+            facts["trainable"] = facts["non_trainable"] = 0
+        counted.add(layer)
 
 
 def sites(model: Any, *args: Any, inner: bool = False, **kwargs: Any) -> tuple[SiteRow, ...]:

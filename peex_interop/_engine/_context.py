@@ -15,7 +15,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import equinox as eqx
 import jax
@@ -26,8 +26,9 @@ import jax.tree_util as jtu
 from jax._src.core import trace_ctx as _trace_ctx
 from jax._src.interpreters.batching import BatchTrace as _BatchTrace, BatchTracer as _BatchTracer
 
-from . import _harvest
+from . import _harvest, _known_paths
 from ._errors import HookError, TransformError
+from ._kinds import METHOD
 from ._paths import AbstractConverted, join, walk
 from ._selection import (
     Selection,
@@ -93,6 +94,25 @@ class InnerCall:
     layer: Any
     name: str
     kind: str
+
+
+class Frame(NamedTuple):
+    """A call site running in a context (`HookContext.frames`, innermost last)."""
+
+    owner: Any
+    local: tuple[str, ...]
+    path: str
+    # How many scopes were open when the call began (the stacks it runs in).
+    depth: int
+    module: Any
+    kind: str
+    # The path of the layer the call belongs to: its own, or, for a method site
+    # (`embedder.attend`), its module's (`embedder`). Sites inside the call are named
+    # under it, and a stack's step index follows it.
+    layer: str
+    # The functions by which this call formed attention weights (`_routes.py`): a
+    # second one makes its `.weights` ambiguous.
+    weights_formed: list[str]
 
 
 class CallSite(eqx.Module):
@@ -292,8 +312,7 @@ class HookContext:
         if not self._index(root):
             self.root = jtu.tree_unflatten(*reversed(jtu.tree_flatten(root)))
             self._index(self.root)
-        # (owner, local path, path, number of scopes open when the call began, module)
-        self.frames: list[tuple[Any, tuple[str, ...], str, int, Any]] = []
+        self.frames: list[Frame] = []
         self.counts: dict[str, int] = {}
         # Paths called, and names/patterns that selected one step of a stack: a
         # pattern like `blocks.7.attn` is checked against them after the call.
@@ -356,7 +375,7 @@ class HookContext:
     def resolve(self, owner: Any, local: tuple[str, ...]) -> tuple[str, ...] | None:
         """The owner's path, or None if it is not part of this context's model, or if
         this is the owner re-entering its own call (`super().__call__`)."""
-        if self.frames and self.frames[-1][0] is owner and self.frames[-1][1] == local:
+        if self.frames and self.frames[-1].owner is owner and self.frames[-1].local == local:
             return None
         for table in (self.modules, *(s.modules for s in reversed(self.scopes))):
             entry = table.get(id(owner))
@@ -432,12 +451,14 @@ class HookContext:
         path: str,
         module: Any,
         signature: Callable[..., Any],
+        kind: str | None,
         *args,
         **kwargs,
     ) -> Any:
-        self.frames.append((owner, local, path, len(self.scopes), module))
+        kind = self._kind(owner, module) if kind is None else kind
+        layer = path.rpartition(".")[0] if kind == METHOD else path
+        self.frames.append(Frame(owner, local, path, len(self.scopes), module, kind, layer, []))
         try:
-            kind = self._kind(owner, module)
             stacks = self._stacks()
             self.seen.add(path)
             steps, matched = self._steps_selected(path, module, kind, stacks)
@@ -478,6 +499,10 @@ class HookContext:
         finally:
             self.frames.pop()
 
+    def native_kind_of(self, owner: Any, module: Any) -> str:
+        """The kind of a library module of `owner`, a converted model."""
+        return owner.layer_kind(module) if isinstance(owner, AbstractConverted) else self.native_kind(module)
+
     def _kind(self, owner: Any, module: Any) -> str:
         if isinstance(module, InnerCall):
             return module.kind
@@ -500,7 +525,7 @@ class HookContext:
         """Whether a site inside the running layer would be selected at some step: for
         adapters that expose a value only when it is wanted (attention weights that a
         fused implementation never forms)."""
-        self.frames.append((self.frames[-1][0], (), path, len(self.scopes), module))
+        self.frames.append(Frame(self.frames[-1].owner, (), path, len(self.scopes), module, module.kind, path, []))
         try:
             return bool(self._steps_selected(path, module, module.kind, self._stacks())[0])
         finally:
@@ -516,7 +541,7 @@ class HookContext:
         stacks = []
         for depth, scope in enumerate(self.scopes):
             if scope.stacked:
-                root = next(frame[2] for frame in self.frames if frame[3] > depth)
+                root = next(frame.layer for frame in self.frames if frame.depth > depth)
                 stacks.append((depth, root))
         return stacks
 
@@ -561,7 +586,13 @@ class HookContext:
         (`layer_names`, `where=` globs, `rename=` keys, `{pattern: hook}` maps) must have
         reached a call. An empty log is never the answer to an explicit selection: a
         typo, a layer used only through another method than `__call__`, or a stack of
-        layers run by indexing its arrays (whose steps are new objects) all raise."""
+        layers run by indexing its arrays (whose steps are new objects) all raise. The
+        one exception: a name or pattern that names only layers the model has (listed,
+        or reached by an earlier call) none of which ran, or sites inside such layers,
+        selects nothing, as the libraries' own interceptors do (`_known_paths.py`)."""
+        models = list(self.modules.values())
+        _known_paths.remember(models, self.seen)
+        known = None  # built on the first name or pattern that reached no call
         selection = self.selection
         given = [
             *(("layer name", name) for name in selection.names or ()),
@@ -579,15 +610,22 @@ class HookContext:
             one_step = what == "hook/log map pattern" and may_name_a_step(pattern)
             if one_step and could_be_step(pattern, list(self.selected)):
                 continue
+            if known is None:
+                known = _known_paths.Known(models, self.seen, self.root)
+            if known.names_only_layers_not_run(pattern):
+                continue
             called = sorted(p for p in self.seen if p)
             close = difflib.get_close_matches(pattern, called, n=5, cutoff=0.4) or called[:12]
             raise HookError(
                 f"{what} {pattern!r} selected no call of the model: no selected layer with a "
                 "matching path was called (a layer used only through a method other than "
-                "`__call__` is not a call site; a stack of layers run by indexing its arrays "
+                "`__call__` is not called itself: its method sites are, `enc.encode`; an "
+                "attention layer's `.weights` exists only where it forms its weights with "
+                "jax.nn.softmax or Flax's dot_product_attention_weights; a stack of layers run by indexing its arrays "
                 "makes new layers that are not the stack's; a number names one step of a "
                 f"stack, following the first layer called in its scan/vmap body, e.g. "
-                f"`blocks.1.attn`). Closest layers called: {', '.join(close) or 'none'}"
+                f"`blocks.1.attn`; only a layer the model has that did not run at all is "
+                f"no error). Closest layers called: {', '.join(close) or 'none'}"
             )
 
     def apply(self, site: Site, role: str, fn: Any, value: Any) -> Any:
@@ -1046,6 +1084,7 @@ def call_site(
     local: tuple[str, ...] = (),
     module: Any = None,
     signature: Callable[..., Any] | None = None,
+    method: str | None = None,
 ) -> Any:
     """Run `call(*args, **kwargs)` as a call site of `owner` (at `local` inside it)
     through every hooking context active in this thread.
@@ -1060,15 +1099,24 @@ def call_site(
         (defaults to `owner`).
     - `signature`: the function whose parameters `args` and `kwargs` fill, where
         `call` takes `(*args, **kwargs)` (defaults to `call`).
+    - `method`: for a call of a method other than `__call__`, its name: the site is
+        `<layer path>.<method>`, of kind `"method"` (`_methods.py`).
 
     **Returns:**
 
     The (possibly hooked) result of the call.
     """
     contexts = active()
-    if not contexts:
+    # A method given no data computes nothing on data (`init_cache(size, batch)`,
+    # `mlp.reverse()`, `cell.initialize_carry(shape, rngs)`): not a site (`_methods.py`).
+    if not contexts or (method is not None and not any(map(_is_data, jtu.tree_leaves((args, kwargs))))):
         return call(*args, **kwargs)
     module = owner if module is None else module
+    kind = None
+    if method is not None:
+        local, kind = (*local, method), METHOD
+    elif not local and module is not owner:
+        return _as_root(contexts, owner, module, call, args, kwargs)
     run = call
     # Innermost context first, so its hooks sit closest to the layer.
     for context in reversed(contexts):
@@ -1076,12 +1124,37 @@ def call_site(
         if prefix is None:
             continue
         path = join(*prefix, *local)
-        run = functools.partial(context.run, run, owner, local, path, module, call if signature is None else signature)
-    if run is call and not (contexts[-1].frames and contexts[-1].frames[-1][0] is owner):
+        run = functools.partial(
+            context.run, run, owner, local, path, module, call if signature is None else signature, kind
+        )
+    if run is call and not (contexts[-1].frames and contexts[-1].frames[-1].owner is owner):
         refuse_if_passed_through(type(owner).__name__, owner)
         for context in contexts:
             context.refuse_if_a_step_of_a_stack(owner)
     return run(*args, **kwargs)
+
+
+def _is_data(leaf: Any) -> bool:
+    """An array a method may compute on: not a random key, which seeds what it builds."""
+    return eqx.is_array(leaf) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _as_root(contexts: list[HookContext], owner: Any, module: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
+    """A converted model running its library's root module (`local` empty): the call
+    is the converted model's own call site, whose frame takes the module (its class
+    and kind), so that sites inside it are told as a layer's (the weights of a model
+    that is an attention)."""
+    described = []
+    for context in contexts:
+        frame = context.frames[-1] if context.frames else None
+        if frame is not None and frame.owner is owner and frame.local == ():
+            context.frames[-1] = frame._replace(module=module, kind=context.native_kind_of(owner, module))
+            described.append((context, frame))
+    try:
+        return call(*args, **kwargs)
+    finally:
+        for context, frame in described:
+            context.frames[-1] = frame
 
 
 def refuse_if_passed_through(name: str, values: Any) -> None:
@@ -1097,7 +1170,7 @@ def refuse_if_passed_through(name: str, values: Any) -> None:
         return
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(values)):
         return
-    where = f" (called from layer {context.frames[-1][2]!r})" if context.frames else ""
+    where = f" (called from layer {context.frames[-1].path!r})" if context.frames else ""
     raise TransformError(
         f"a {name}{where} runs under {context.unthreadable() or transform_name()}, which received it as an "
         "argument: peex_interop cannot name it or thread its logs out, so it would run "

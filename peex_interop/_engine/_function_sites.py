@@ -1,25 +1,22 @@
 """`px.function_sites`: the calls of named functions made by a model's layers, as sites.
 
-The engine must know which function objects to intercept before the model runs, and
-a hook wrapper's selection is only glob patterns and kinds: so the functions are named
-by a transparent wrapper of the model (like the hook wrappers, it adds no path
-segment), which, while a hooking context is active in the calling thread, replaces
-every binding of each function (`_bindings.py`: `jax.nn.gelu` is reached through the
-`jax.nn` module, `from jax.nn import gelu` through the importing module's globals,
-`nnx.gelu`/`nn.gelu` through Flax's) by one that makes each call made inside a layer
-the site `<layer path>.<function name>` (`_inner_sites.py`). Being a static field,
-the list of functions is part of the model's structure: a jitted function retraces
-when it changes.
+The engine must know which functions to route before the model runs, and a hook
+wrapper's selection is only glob patterns and kinds: so the functions are named by a
+transparent wrapper of the model (like the hook wrappers, it adds no path segment).
+While a hooking context is active in the calling thread, its call routes every call
+of each function, through whatever reference reaches it (`_routes.py`: a module
+attribute, an imported name, a partial in a table, a field, a default argument), and
+each call made inside a layer is the site `<layer path>.<function name>`
+(`_inner_sites.py`), unless it is the layer's attention weights (`<layer>.weights`:
+one call is one site). Being a static field, the list of functions is part of the
+model's structure: a jitted function retraces when it changes.
 
-References the bindings do not reach are found where they can be: a field of an
-Equinox module holding the function (`eqx.nn.MLP(activation=jax.nn.gelu)`) is
-replaced, in a copy, by a callable that makes its calls sites too; a default argument
-or closure cell of a layer's `__call__`, a static field, or a `functools.partial` of
-the function held by a field, is refused.
+A jitted function held by a field of an Equinox module (`eqx.nn.MLP(activation=
+jax.nn.silu)`) is replaced, in a copy, by a callable that routes its calls outside the
+jit, as its module-global bindings are (`_routes.py`).
 """
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -28,12 +25,10 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _patching
-from ._bindings import bindings
+from . import _patching, _routes
 from ._context import active
 from ._errors import HookError
-from ._inner_sites import inner_site, routing
-from ._paths import AbstractTransparent, join, module_paths, walk
+from ._paths import AbstractTransparent, module_paths
 
 
 class FunctionSites(AbstractTransparent):
@@ -57,13 +52,7 @@ class FunctionSites(AbstractTransparent):
         """
         if not active():
             return self.model(*args, **kwargs)
-        originals = [function for _, function in self.functions]
-        names = {id(function): name for name, function in self.functions}
-        targets = [
-            (owner, attribute, routing(names[id(_patching.unwrap(getattr(owner, attribute)))], "function"))
-            for owner, attribute in bindings(originals, *_code(self.model))
-        ]
-        with _patching.patched(targets):
+        with _routes.named(self.functions, *_code(self.model)):
             return self.model(*args, **kwargs)
 
 
@@ -77,7 +66,7 @@ class _HeldFunction:
     function: Callable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return inner_site(self.name, "function", self.function, args, kwargs)
+        return _routes.route(self.function, self.function, args, kwargs)
 
 
 def declared_sites(model: Any) -> tuple[str, ...]:
@@ -100,43 +89,6 @@ def _code(model: Any) -> list[Callable]:
         if callable(function):
             code.append(function)
     return code
-
-
-def _refuse_captured(model: Any, functions: dict[int, str]) -> None:
-    """Refuse references that no binding and no field replacement reaches."""
-    for path, node in walk(model):
-        if not isinstance(node, eqx.Module):
-            continue
-        call = vars(type(node)).get("__call__")
-        captured = [
-            *(getattr(call, "__defaults__", None) or ()),
-            *(getattr(call, "__kwdefaults__", None) or {}).values(),
-            *(value for cell in getattr(call, "__closure__", None) or () for value in _contents(cell)),
-        ]
-        for field in dataclasses.fields(node):
-            value = getattr(node, field.name, None)
-            if isinstance(value, functools.partial):
-                captured.append(value.func)
-            elif field.metadata.get("static", False):
-                captured.append(value)  # not a leaf: not replaced
-        for value in captured:
-            name = functions.get(id(_patching.unwrap(value)))
-            if name is not None:
-                raise HookError(
-                    f"px.function_sites cannot intercept {name!r} in layer "
-                    f"{join(*path)!r} ({type(node).__name__}): its code holds the function "
-                    "itself (a default argument, a closure, a static field, or a "
-                    "functools.partial in a field), which no binding reaches, so its calls "
-                    "would not be sites. Call "
-                    "it through a module (`jax.nn.gelu(x)`) or keep it in a field of its own."
-                )
-
-
-def _contents(cell: Any) -> list:
-    try:
-        return [cell.cell_contents]
-    except ValueError:  # an empty cell
-        return []
 
 
 def function_sites(model: PyTree, *functions: Callable) -> FunctionSites:
@@ -165,12 +117,13 @@ def function_sites(model: PyTree, *functions: Callable) -> FunctionSites:
     A `FunctionSites` wrapping (a copy of) `model`: fields of its Equinox layers that
     hold one of the functions call it as a site.
 
-    Calls are reached through every module-global binding of the functions (attribute
-    access `jax.nn.gelu`, `from jax.nn import gelu` in any loaded module and in the
-    layers' own code) and fields of Equinox layers. A function captured before hooking
-    in a default argument, a closure, a static field or a `functools.partial` is
-    refused when found there; one held elsewhere is not reached, and a pattern
-    selecting its site then raises after the call (it selected no call).
+    Calls are reached through every reference to the functions: attribute access
+    (`jax.nn.gelu`), names imported into any module, partials (Hugging Face's
+    `ACT2FN["gelu_new"]`), tables, fields, default arguments and closures. A call of a
+    jitted function (`jax.nn.silu`) reached only through a partial or a default
+    argument is a site inside that jit: hooks that read the call site, and one-step
+    selections, are refused there. A call that is an attention layer's weights
+    (`jax.nn.softmax` in a model's own attention) is its `.weights` site.
     """
     named: dict[str, Callable] = {}
     for function in functions:
@@ -182,7 +135,6 @@ def function_sites(model: PyTree, *functions: Callable) -> FunctionSites:
             raise HookError(f"px.function_sites got two different functions named {name!r}: their sites would clash")
         named[name] = original
     by_id = {id(function): name for name, function in named.items()}
-    _refuse_captured(model, by_id)
     model = jtu.tree_map(
         lambda leaf: _HeldFunction(by_id[id(leaf)], leaf) if id(leaf) in by_id else leaf, model,
     )

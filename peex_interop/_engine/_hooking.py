@@ -10,6 +10,7 @@ from .._adapters._equinox import class_patches, equinox_kind
 from . import _patching
 from ._attention import attention_patches
 from ._context import HookContext, Policy, entered
+from ._routes import weights_patches
 from ._transforms import transform_patches
 
 # JAX's trace caches are keyed on this context. While hooking, a function traced
@@ -32,6 +33,9 @@ def hooking(
     """
     context = HookContext(root, policy, probes, discovering, equinox_kind)
     patches = class_patches(context.module_types) + transform_patches() + attention_patches()
+    if context.selection.inner.where != ():
+        # Some site inside a layer may be selected: any attention layer's weights.
+        patches += weights_patches()
     with _patching.patched(patches), entered(context) as active:
         # A static-facts pass (px.summary) records at trace time: never reuse its traces.
         key = tuple(c.selection if c.observes_values else object() for c in active)

@@ -14,12 +14,17 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._context import InnerCall, active
+from ._context import InnerCall, ThreadStack, active
+from ._kinds import METHOD
 from ._paths import join
 from ._selection import ATTENTION_WEIGHTS
 
 # (name, kind) of the attention weights site of every attention, in every library.
 WEIGHTS = (ATTENTION_WEIGHTS, "attention_weights")
+
+# Calls made in this thread in a trace that is thrown away (linen's `nn.scan` pre-pass)
+# are no sites: inside it, the layer running is not the one that makes the calls.
+silenced = ThreadStack()
 
 
 def inner_site(name: str, kind: str, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -41,9 +46,13 @@ def inner_site(name: str, kind: str, call: Callable[..., Any], args: tuple, kwar
     for context in reversed(active()):
         if not context.frames:
             continue
-        owner, local, path, _, module = context.frames[-1]
-        site = InnerCall(module, name, kind)
-        run = functools.partial(context.run, run, owner, (*local, name), join(path, name), site, call)
+        frame = context.frames[-1]
+        site = InnerCall(frame.module, name, kind)
+        # Inside a method site (`embedder.attend`), a site of its layer (`embedder`).
+        layer_local = frame.local[:-1] if frame.kind == METHOD else frame.local
+        run = functools.partial(
+            context.run, run, frame.owner, (*layer_local, name), join(frame.layer, name), site, call, kind
+        )
     return run(*args, **kwargs)
 
 
@@ -53,8 +62,8 @@ def wanted(name: str, kind: str) -> bool:
     the library's own code computes fused, or per head)."""
     for context in active():
         if context.frames:
-            path = join(context.frames[-1][2], name)
-            if context.would_select(path, InnerCall(context.frames[-1][4], name, kind)):
+            frame = context.frames[-1]
+            if context.would_select(join(frame.layer, name), InnerCall(frame.module, name, kind)):
                 return True
     return False
 
@@ -65,29 +74,13 @@ def running_layer() -> Any:
     contexts = active()
     if not contexts or not contexts[-1].frames:
         return None
-    return contexts[-1].frames[-1][4]
+    return contexts[-1].frames[-1].module
 
 
 def running_path() -> str | None:
     """The path of the layer running now in the innermost active context, for errors."""
     contexts = active()
-    return contexts[-1].frames[-1][2] if contexts and contexts[-1].frames else None
-
-
-def routing(name: str, kind: str) -> Callable[[Callable], Callable]:
-    """A patch maker (`_patching.patched`): the function it replaces, called inside a
-    layer, becomes the site `<layer>.<name>`; called outside any hooked call (another
-    thread included), it is the original."""
-
-    def make(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def routed(*args: Any, **kwargs: Any) -> Any:
-            return inner_site(name, kind, original, args, kwargs)
-
-        return routed
-
-    make.purpose = ("site", name, kind)  # pyright: ignore[reportFunctionMemberAccess]
-    return make
+    return contexts[-1].frames[-1].layer if contexts and contexts[-1].frames else None
 
 
 class ModuleView:

@@ -8,8 +8,12 @@ from typing import Any
 
 KINDS = (
     "linear", "conv", "attention", "norm", "embedding", "dropout", "recurrent",
-    "pool", "activation", "container", "other", "attention_weights", "function",
+    "pool", "activation", "container", "other", "method", "attention_weights", "function",
 )
+
+# The kind of a call of a layer's method other than `__call__` (`embedder.attend`,
+# `_methods.py`): which kind of layer it belongs to does not tell what it computes.
+METHOD = "method"
 
 # Kinds of sites *inside* a layer (`_engine/_inner_sites.py`): attention weights, and
 # calls of functions named with `px.function_sites`.

@@ -48,6 +48,20 @@ class AbstractConverted(eqx.Module):
         """Local path -> the library's module (or its type; `None` where unknown), or
         `None` when the layers only come into existence during the call."""
 
+    def known_layers(self) -> dict[tuple[str, ...], Any]:
+        """The local paths of the layers this model is known to have, where they are
+        not every layer a call can run: `layers()` by default; an adapter whose
+        `layers()` is `None` lists what its stored values tell (linen: the paths of
+        its variables). After a call, a name or pattern that selected no call is no
+        error where it names only such layers, or layers an earlier call of the model
+        reached, and none of them ran (`_engine/_known_paths.py`)."""
+        return self.layers() or {}
+
+    def method_paths(self) -> tuple[tuple[str, ...], ...]:
+        """The local paths of the method sites (`_methods.py`: `("embedder",
+        "attend")`) that a call can run, where known ahead of it; `()` otherwise."""
+        return ()
+
     @abc.abstractmethod
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, non-trainable) numbers of parameters of the whole model."""

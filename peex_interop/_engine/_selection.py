@@ -196,24 +196,28 @@ class Selection:
         patterns = [*(self.names or ()), *(c for c in self.where or () if isinstance(c, str))]
         return [p for p in patterns if may_name_a_step(p)]
 
-    def validate(self, modules: dict[str, Any], model_name: str, inner_names: Sequence[str] = ()) -> None:
-        """Every name and pattern must match some layer (or name a site inside one:
-        attention weights, or one of `inner_names`): a typo must not silently log
-        nothing. Predicates cannot be checked ahead of the call."""
+    def validate(
+        self, modules: dict[str, Any], model_name: str, inner_names: Sequence[str] = (), methods: Sequence[str] = ()
+    ) -> None:
+        """Every name and pattern must match some layer, method site (`methods`: their
+        paths) or name a site inside a layer (attention weights, or one of
+        `inner_names`): a typo must not silently log nothing. Predicates cannot be
+        checked ahead of the call."""
         paths = [path for path in modules if path]
+        sites = [*paths, *methods]
         inner = {ATTENTION_WEIGHTS, *inner_names}
         for source, _ in self.renames:
-            if source not in modules or not source:
-                raise HookError(_no_match("rename= path", source, paths, model_name))
+            if not source or (source not in modules and source not in methods):
+                raise HookError(_no_match("rename= path", source, sites, model_name))
         for name in self.names or ():
-            known = name in modules and name
-            if not (known or could_be_step(name, paths) or could_be_inner(name, paths, inner)):
-                raise HookError(_no_match("layer name", name, paths, model_name))
+            known = name in sites
+            if not (known or could_be_step(name, sites) or could_be_inner(name, paths, inner)):
+                raise HookError(_no_match("layer name", name, sites, model_name))
         for criterion in self.where or ():
             if isinstance(criterion, str):
-                matched = any(glob_to_regex(criterion).match(p) for p in paths)
-                if not (matched or could_be_step(criterion, paths) or could_be_inner(criterion, paths, inner)):
-                    raise HookError(_no_match("where pattern", criterion, paths, model_name))
+                matched = any(glob_to_regex(criterion).match(p) for p in sites)
+                if not (matched or could_be_step(criterion, sites) or could_be_inner(criterion, paths, inner)):
+                    raise HookError(_no_match("where pattern", criterion, sites, model_name))
             elif isinstance(criterion, type):
                 known = [modules[p] for p in paths if modules[p] is not None]
                 if len(known) < len(paths):

@@ -7,6 +7,7 @@ import equinox as eqx
 
 from .._engine._context import needs_indices
 from .._engine._function_sites import declared_sites
+from .._engine._methods import known_method_paths
 from .._engine._paths import AbstractTransparent, check_model, known_module_paths
 from .._engine._selection import Criterion, Selection, Where
 
@@ -56,5 +57,5 @@ def selection_fields(
     selection = Selection.make(layer_names, where, rename)
     modules = known_module_paths(model)
     if modules is not None:
-        selection.validate(modules, type(model).__name__, declared_sites(model))
+        selection.validate(modules, type(model).__name__, declared_sites(model), known_method_paths(model))
     return selection
