@@ -935,3 +935,33 @@ def test_a_layer_a_weight_or_spectral_norm_wraps_is_not_transferred():
     layer = wrapped.lin.layer_instance
     stored = x @ layer.kernel.get_value() + layer.bias.get_value()
     assert not np.allclose(wrapped(x), stored)
+
+
+def test_a_bridged_linen_module_is_one_site_named_by_its_place():
+    # `bridge.ToNNX` reads all its attributes as linen variables (the path attribute
+    # the adapter sets on every module crashed it); its own call is the site, the
+    # linen modules it applies are not (nnx.capture does not see them either).
+    import flax.linen as nn
+    from flax.nnx import bridge
+
+    class LinenMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, name="out")(jax.nn.relu(nn.Dense(4, name="hidden")(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.pre = nnx.Linear(2, 2, rngs=rngs)
+            self.bridged = bridge.ToNNX(LinenMLP(), rngs=rngs)
+            bridge.lazy_init(self.bridged, jnp.ones((1, 2)))
+
+        def __call__(self, x):
+            return self.bridged(self.pre(x))
+
+    model, x = Model(nnx.Rngs(0)), jnp.linspace(-1, 1, 4).reshape(2, 2)
+    out, log = px.ForwardHook(px.from_nnx(model), log_fn=px.IdentityLog())(x)
+    assert set(log) == {"pre", "bridged"}
+    np.testing.assert_array_equal(out, model(x))
+    np.testing.assert_array_equal(log["bridged"], model.bridged(model.pre(x)))
+    with pytest.raises(px.HookError, match="'bridged.hidden' matches no layer"):
+        px.ForwardHook(px.from_nnx(model), log_fn=px.IdentityLog(), where="bridged.hidden")

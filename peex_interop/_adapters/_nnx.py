@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from flax import nnx
+from flax.nnx import bridge
 from flax.nnx.nn import attention as nnx_attention  # its `dot_product_attention_weights`
 from flax.nnx.spmd import get_var_pspec
 from jaxtyping import PyTree
@@ -465,7 +466,10 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
     types = {type(module) for _, module in paths}
     try:
         for path, module in paths:
-            setattr(module, call.attribute, path)
+            # `bridge.ToNNX` reads every attribute of its own as a linen variable: it is
+            # named as a descendant of the module calling it instead.
+            if not isinstance(module, bridge.ToNNX):
+                setattr(module, call.attribute, path)
         patches = [
             *_patching.call_patches(types, _route),
             *_methods.method_call_patches(_with_methods(types), nnx.Module, _route_method),
