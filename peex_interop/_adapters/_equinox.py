@@ -56,7 +56,7 @@ def _route(original: Callable, module: eqx.Module, args: tuple, kwargs: dict) ->
 
 
 def _route_method(original: Callable, module: eqx.Module, name: str, args: tuple, kwargs: dict) -> Any:
-    return _context.call_site(module, functools.partial(original, module), args, kwargs, method=name)
+    return _context.call_site(module, functools.partial(original, module), args, kwargs, member=name)
 
 
 def _shared_call(original: Callable) -> Callable:

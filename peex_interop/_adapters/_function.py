@@ -330,7 +330,7 @@ def _routed(original: Callable) -> Callable:
             layer_call = functools.partial(_activations, original, path)
             return _context.call_site(
                 call.owner, layer_call, args, kwargs, local=path, module=layer(params), signature=original,
-                method=call.method_of(original, path),
+                member=call.method_of(original, path),
             )
         finally:
             call.running.pop()

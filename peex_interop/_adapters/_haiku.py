@@ -225,7 +225,7 @@ class _AbstractHaiku(AbstractConverted):
         method = None if context.method_name == "__call__" else context.method_name
         return _context.call_site(
             self, next_f, args, kwargs, local=local, module=context.module, signature=context.orig_method,
-            method=method,
+            member=method,
         )
 
     def layer_kind(self, module: hk.Module) -> str:

@@ -31,7 +31,7 @@ from flax.linen import (
 from flax.linen.spmd import logical_to_mesh_sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass
+from .._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
@@ -158,7 +158,11 @@ class LinenModule(AbstractConverted):
         if not _context.active():
             return apply()
         state = _Interception(self)
-        patches = [(axes_scan, "scan", _scan_with_silent_prepass), (nn.Module, "apply", _nested_apply)]
+        patches = [
+            (axes_scan, "scan", _scan_with_silent_prepass),
+            (nn.Module, "apply", _nested_apply),
+            *_sown.sown_patches(nn.Module, _locate),
+        ]
         with _patching.patched(patches), nn.intercept_methods(state.intercept):
             _intercepting.items.append(state)
             try:
@@ -665,13 +669,13 @@ class _Interception:
                 prefix = (*self.running[-1][1], str(module.name)) if self.running else ()
                 self.mapped[prefix] = type(module).__name__
             return next_f(*args, **kwargs)
-        local = self._path(module)
+        local = self.path_of(module)
         wrappers = [name for prefix, name in self.mapped.items() if local[: len(prefix)] == prefix]
         self.running.append((module, local))
         _mapping_in_thread.items.extend(wrappers)
         try:
             method = None if context.method_name == "__call__" else context.method_name
-            return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module, method=method)
+            return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module, member=method)
         finally:
             del _mapping_in_thread.items[len(_mapping_in_thread.items) - len(wrappers):]
             self.running.pop()
@@ -681,7 +685,7 @@ class _Interception:
             return method in self.owner.methods
         return method == "__call__" or method in _methods.site_methods(type(module), nn.Module)
 
-    def _path(self, module: nn.Module) -> Path:
+    def path_of(self, module: nn.Module) -> Path:
         """The module's scope path; but a module given the scope of one whose call it
         runs inside (`nn.share_scope`: a LoRA wrapper and its base, a child sharing its
         parent's parameters) is named under that one's path by its own name, as its
@@ -693,6 +697,15 @@ class _Interception:
             if outer.scope is module.scope and outer is not module:
                 return (*outer_path, str(module.name))
         return path
+
+
+def _locate(module: nn.Module) -> tuple[LinenModule, Path] | None:
+    """The converted model and path of a module sowing during this thread's hooked
+    call (`_engine/_sown.py`), or `None` (outside one, or in `nn.scan`'s pre-pass)."""
+    if not _intercepting.items or _inner_sites.silenced.items or not _context.active():
+        return None
+    state = _intercepting.items[-1]
+    return state.owner, state.path_of(module)
 
 
 def _nested_apply(original: Callable) -> Callable:

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -36,7 +36,7 @@ from flax.nnx.nn import attention as nnx_attention  # its `dot_product_attention
 from flax.nnx.spmd import get_var_pspec
 from jaxtyping import PyTree
 
-from .._engine import _context, _methods, _patching, _routes
+from .._engine import _context, _methods, _patching, _routes, _sown
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
@@ -98,6 +98,7 @@ class NnxModule(AbstractConverted):
     graphdef: nnx.GraphDef = eqx.field(static=True)
     state: nnx.State
     return_state: bool = eqx.field(static=True, default=False)
+    sows: ClassVar[bool] = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         """Run the NNX module on a copy of this state.
@@ -442,10 +443,19 @@ def _route_method(original: Callable, module: nnx.Module, method: str | None, ar
     try:
         return _context.call_site(
             call.owner, functools.partial(original, module), args, kwargs,
-            local=path, module=module, method=method,
+            local=path, module=module, member=method,
         )
     finally:
         call.running.pop()
+
+
+def _locate(module: nnx.Module) -> tuple[NnxModule, Path] | None:
+    """The converted model and path of a module sowing during this thread's hooked
+    call (`_engine/_sown.py`), or `None` outside one."""
+    calls = _calls.items
+    if not calls or not _context.active():
+        return None
+    return calls[-1].owner, calls[-1].path_of(module)
 
 
 def _with_methods(types: Iterable[type]) -> list[type]:
@@ -473,6 +483,7 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
         patches = [
             *_patching.call_patches(types, _route),
             *_methods.method_call_patches(_with_methods(types), nnx.Module, _route_method),
+            *_sown.sown_patches(nnx.Module, _locate),
         ]
         with _patching.patched(patches):
             calls.append(call)

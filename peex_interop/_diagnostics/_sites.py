@@ -14,7 +14,7 @@ from .._adapters._equinox import is_state, states_in
 from .._engine._context import HookContext, InnerCall, Site
 from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._engine._hooking import hooking
-from .._engine._kinds import INNER_KINDS, METHOD
+from .._engine._kinds import INNER_KINDS, MEMBERS
 from .._engine._paths import AbstractConverted, check_model, float_size, join, key_name
 from .._engine._selection import Kind, Selection
 
@@ -222,10 +222,10 @@ def _count_layers_once(rows: Any) -> None:
     `decode`), on its first method row, so that the rows of the top-level layers add up
     to the model's total."""
     rows = list(rows)
-    called = {facts["path"] for facts in rows if facts["kind"] != METHOD}
+    called = {facts["path"] for facts in rows if facts["kind"] not in MEMBERS}
     counted = set()
     for facts in rows:
-        if facts["kind"] != METHOD:
+        if facts["kind"] not in MEMBERS:
             continue
         layer = facts["path"].rpartition(".")[0]
         if layer in called or layer in counted or not layer:

@@ -28,7 +28,7 @@ from jax._src.interpreters.batching import BatchTrace as _BatchTrace, BatchTrace
 
 from . import _harvest, _known_paths
 from ._errors import HookError, TransformError
-from ._kinds import METHOD
+from ._kinds import MEMBERS, METHOD
 from ._paths import AbstractConverted, join, walk
 from ._selection import (
     Selection,
@@ -456,7 +456,7 @@ class HookContext:
         **kwargs,
     ) -> Any:
         kind = self._kind(owner, module) if kind is None else kind
-        layer = path.rpartition(".")[0] if kind == METHOD else path
+        layer = path.rpartition(".")[0] if kind in MEMBERS else path
         self.frames.append(Frame(owner, local, path, len(self.scopes), module, kind, layer, []))
         try:
             stacks = self._stacks()
@@ -1084,7 +1084,8 @@ def call_site(
     local: tuple[str, ...] = (),
     module: Any = None,
     signature: Callable[..., Any] | None = None,
-    method: str | None = None,
+    member: str | None = None,
+    kind: str = METHOD,
 ) -> Any:
     """Run `call(*args, **kwargs)` as a call site of `owner` (at `local` inside it)
     through every hooking context active in this thread.
@@ -1099,8 +1100,10 @@ def call_site(
         (defaults to `owner`).
     - `signature`: the function whose parameters `args` and `kwargs` fill, where
         `call` takes `(*args, **kwargs)` (defaults to `call`).
-    - `method`: for a call of a method other than `__call__`, its name: the site is
-        `<layer path>.<method>`, of kind `"method"` (`_methods.py`).
+    - `member`, `kind`: for a site of the layer other than its call, its name and
+        kind: a method (`embedder.attend`, kind `"method"`: `_methods.py`), a value it
+        sows (`block.rs_after_attention`, kind `"sown"`). The site is
+        `<layer path>.<member>`; one given no array (random keys aside) is none.
 
     **Returns:**
 
@@ -1109,12 +1112,12 @@ def call_site(
     contexts = active()
     # A method given no data computes nothing on data (`init_cache(size, batch)`,
     # `mlp.reverse()`, `cell.initialize_carry(shape, rngs)`): not a site (`_methods.py`).
-    if not contexts or (method is not None and not any(map(_is_data, jtu.tree_leaves((args, kwargs))))):
+    if not contexts or (member is not None and not any(map(_is_data, jtu.tree_leaves((args, kwargs))))):
         return call(*args, **kwargs)
     module = owner if module is None else module
-    kind = None
-    if method is not None:
-        local, kind = (*local, method), METHOD
+    site_kind = None
+    if member is not None:
+        local, site_kind = (*local, member), kind
     elif not local and module is not owner:
         return _as_root(contexts, owner, module, call, args, kwargs)
     run = call
@@ -1125,7 +1128,7 @@ def call_site(
             continue
         path = join(*prefix, *local)
         run = functools.partial(
-            context.run, run, owner, local, path, module, call if signature is None else signature, kind
+            context.run, run, owner, local, path, module, call if signature is None else signature, site_kind
         )
     if run is call and not (contexts[-1].frames and contexts[-1].frames[-1].owner is owner):
         refuse_if_passed_through(type(owner).__name__, owner)
@@ -1136,7 +1139,7 @@ def call_site(
 
 def _is_data(leaf: Any) -> bool:
     """An array a method may compute on: not a random key, which seeds what it builds."""
-    return eqx.is_array(leaf) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    return eqx.is_array(leaf) and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _as_root(contexts: list[HookContext], owner: Any, module: Any, call: Callable, args: tuple, kwargs: dict) -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._context import InnerCall, ThreadStack, active
-from ._kinds import METHOD
+from ._kinds import MEMBERS
 from ._paths import join
 from ._selection import ATTENTION_WEIGHTS
 
@@ -49,7 +49,7 @@ def inner_site(name: str, kind: str, call: Callable[..., Any], args: tuple, kwar
         frame = context.frames[-1]
         site = InnerCall(frame.module, name, kind)
         # Inside a method site (`embedder.attend`), a site of its layer (`embedder`).
-        layer_local = frame.local[:-1] if frame.kind == METHOD else frame.local
+        layer_local = frame.local[:-1] if frame.kind in MEMBERS else frame.local
         run = functools.partial(
             context.run, run, frame.owner, (*layer_local, name), join(frame.layer, name), site, call, kind
         )

@@ -8,12 +8,19 @@ from typing import Any
 
 KINDS = (
     "linear", "conv", "attention", "norm", "embedding", "dropout", "recurrent",
-    "pool", "activation", "container", "other", "method", "attention_weights", "function",
+    "pool", "activation", "container", "other", "method", "sown", "perturbation",
+    "attention_weights", "function",
 )
 
 # The kind of a call of a layer's method other than `__call__` (`embedder.attend`,
 # `_methods.py`): which kind of layer it belongs to does not tell what it computes.
 METHOD = "method"
+# A value a layer sows (Flax's `self.sow(..., name, value)`), and one it marks for its
+# gradient (`self.perturb(name, value)`).
+SOWN, PERTURBATION = "sown", "perturbation"
+# The kinds of a layer's own sites besides its call, named `<layer>.<name>`: they are
+# the layer's (its parameters, the sites inside it).
+MEMBERS = (METHOD, SOWN, PERTURBATION)
 
 # Kinds of sites *inside* a layer (`_engine/_inner_sites.py`): attention weights, and
 # calls of functions named with `px.function_sites`.

@@ -42,6 +42,10 @@ class AbstractConverted(eqx.Module):
     # dropout function) is only known during the call, so a selection of such a model is
     # checked after its call (`HookContext.check_reached`), not before.
     lists_every_layer: ClassVar[bool] = True
+    # Whether its layers may sow values or mark perturbation points (Flax's
+    # `self.sow`, `self.perturb`: sites `<layer>.<name>`, `_sown.py`), whose names only
+    # the call tells: a selection naming one is checked after the call.
+    sows: ClassVar[bool] = False
 
     @abc.abstractmethod
     def layers(self) -> dict[tuple[str, ...], Any] | None:

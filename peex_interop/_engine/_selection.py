@@ -197,12 +197,14 @@ class Selection:
         return [p for p in patterns if may_name_a_step(p)]
 
     def validate(
-        self, modules: dict[str, Any], model_name: str, inner_names: Sequence[str] = (), methods: Sequence[str] = ()
+        self, modules: dict[str, Any], model_name: str, inner_names: Sequence[str] = (), methods: Sequence[str] = (),
+        sows: bool = False,
     ) -> None:
         """Every name and pattern must match some layer, method site (`methods`: their
         paths) or name a site inside a layer (attention weights, or one of
-        `inner_names`): a typo must not silently log nothing. Predicates cannot be
-        checked ahead of the call."""
+        `inner_names`; any name where the model's layers may sow values, `sows`, which
+        only the call tells): a typo must not silently log nothing. Predicates cannot
+        be checked ahead of the call."""
         paths = [path for path in modules if path]
         sites = [*paths, *methods]
         inner = {ATTENTION_WEIGHTS, *inner_names}
@@ -211,12 +213,13 @@ class Selection:
                 raise HookError(_no_match("rename= path", source, sites, model_name))
         for name in self.names or ():
             known = name in sites
-            if not (known or could_be_step(name, sites) or could_be_inner(name, paths, inner)):
+            if not (known or could_be_step(name, sites) or could_be_inner(name, paths, inner, sows)):
                 raise HookError(_no_match("layer name", name, sites, model_name))
         for criterion in self.where or ():
             if isinstance(criterion, str):
                 matched = any(glob_to_regex(criterion).match(p) for p in sites)
-                if not (matched or could_be_step(criterion, sites) or could_be_inner(criterion, paths, inner)):
+                inside = could_be_inner(criterion, paths, inner, sows)
+                if not (matched or could_be_step(criterion, sites) or inside):
                     raise HookError(_no_match("where pattern", criterion, sites, model_name))
             elif isinstance(criterion, type):
                 known = [modules[p] for p in paths if modules[p] is not None]
@@ -250,13 +253,15 @@ def names_inner(criterion: Any) -> bool:
 ATTENTION_WEIGHTS = "weights"
 
 
-def could_be_inner(pattern: str, paths: list[str], names: set[str]) -> bool:
+def could_be_inner(pattern: str, paths: list[str], names: set[str], any_name: bool = False) -> bool:
     """Whether a name or pattern may name a site inside a layer (`attn.weights`,
-    `**.gelu`): its last segment names one of the site names `names` and the rest
-    names a layer (`**` also the root). Such sites exist only during the call (checked
-    then)."""
+    `**.gelu`): its last segment names one of the site names `names` (any name, with
+    `any_name`: a sown value's) and the rest names a layer (`**` also the root: the
+    model's own sown values are `**.y`, a one-segment name being checked as a layer's).
+    Such sites exist only during the call (checked then)."""
     rest, _, last = pattern.rpartition(".")
-    if not (rest and last.strip("*?") and any(glob_to_regex(last).match(name) for name in names)):
+    named = any_name or any(glob_to_regex(last).match(name) for name in names)
+    if not (rest and last.strip("*?") and named):
         return False
     return any(glob_to_regex(rest).match(p) for p in ["", *paths]) or could_be_step(rest, paths)
 

@@ -53,7 +53,9 @@ class BackwardHook(AbstractHookWrapper):
     carried state, not an activation: `None` in what `hook_fn` and `log_fn` receive,
     its cotangent passed through unchanged, its batching left as the model made it.
 
-    Only floating-point leaves have cotangents: integer (and boolean) leaves of a
+    A Python float given to a layer (`model(1.0)`) is the array JAX makes of it: with
+    `pre_hook=True` its cotangent is logged (Flax's own tests read it so). Only
+    floating-point leaves have cotangents: integer (and boolean) leaves of a
     layer's output, or with `pre_hook=True` of its inputs (an argmax, VQ codes, token
     ids into an embedding), are `None` in what `hook_fn` and `log_fn` receive, and so in
     the log (`IdentityLog` logs `(cotangent, None)` for a layer returning `(y,
@@ -158,6 +160,9 @@ class BackwardHook(AbstractHookWrapper):
             args, kwargs = pre_hook_inputs(
                 site.path, "px.BackwardHook", site.signature or site.call, site.args, site.kwargs
             )
+            # A Python number has no cotangent of its own: it is the array JAX makes of
+            # it (`model(1.0)`), as the layer's first operation on it would.
+            args = tuple(jnp.asarray(a) if _is_number(a) else a for a in args)
             return site.call(*self._attach(context, site, args), **kwargs)
         return self._attach(context, site, site.call(*site.args, **site.kwargs))
 
@@ -212,6 +217,10 @@ class BackwardHook(AbstractHookWrapper):
                 "Use reverse mode (jax.grad, jax.vjp, jax.jacrev; jax.hessian works), "
                 "or a ForwardHook for forward-mode transforms."
             ) from error
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (float, complex)) and not isinstance(value, bool)
 
 
 def _init_inside_its_vmap(axis_name: str) -> str:

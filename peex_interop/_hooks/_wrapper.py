@@ -8,7 +8,7 @@ import equinox as eqx
 from .._engine._context import needs_indices
 from .._engine._function_sites import declared_sites
 from .._engine._methods import known_method_paths
-from .._engine._paths import AbstractTransparent, check_model, known_module_paths
+from .._engine._paths import AbstractConverted, AbstractTransparent, check_model, known_module_paths, walk
 from .._engine._selection import Criterion, Selection, Where
 
 
@@ -57,5 +57,8 @@ def selection_fields(
     selection = Selection.make(layer_names, where, rename)
     modules = known_module_paths(model)
     if modules is not None:
-        selection.validate(modules, type(model).__name__, declared_sites(model), known_method_paths(model))
+        sows = any(isinstance(node, AbstractConverted) and node.sows for _, node in walk(model))
+        selection.validate(
+            modules, type(model).__name__, declared_sites(model), known_method_paths(model), sows
+        )
     return selection
