@@ -3,10 +3,16 @@
 import importlib as _importlib
 from typing import TYPE_CHECKING, Any as _Any
 
+from . import peex as peex  # peex's conventions: `from peex_interop import peex`
 from ._adapters._function import (
     FunctionLayer as FunctionLayer,
     FunctionModule as FunctionModule,
     from_function as from_function,
+)
+from ._compat._interceptors import (
+    InterceptContext as InterceptContext,
+    Intercepted as Intercepted,
+    intercepted as intercepted,
 )
 from ._diagnostics._packing import PackedLog as PackedLog
 from ._diagnostics._recorder import Recorder as Recorder
@@ -145,6 +151,8 @@ __all__ = [
     "IdentityHook",
     "IdentityLog",
     "InnerCall",
+    "InterceptContext",
+    "Intercepted",
     "L2NormLog",
     "LinenModule",
     "LogMap",
@@ -177,12 +185,14 @@ __all__ = [
     "from_nnx",
     "function_sites",
     "haiku_function",
+    "intercepted",
     "kind",
     "model_sizes",
     "module_paths",
     "not_",
     "num_features",
     "patch",
+    "peex",
     "pool_stats",
     "port",
     "rename",
