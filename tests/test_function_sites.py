@@ -330,3 +330,20 @@ def test_a_function_the_engine_routes_is_a_site_too(x):
         _, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where="**.weights")(tokens)
         q = nn.DenseGeneral((2, 1)).apply({"params": variables["params"]["q"]}, tokens)
         close(log["weights"], nn.attention.dot_product_attention_weights(q, q))
+
+
+def test_attention_weights_formed_twice_raise_and_are_two_function_sites(x):
+    class TwoSoftmaxAttention(eqx.Module):
+        def __call__(self, x):
+            logits = jnp.outer(x, x)
+            return (jax.nn.softmax(logits) + jax.nn.softmax(2 * logits)) @ x
+
+    model = EqxNet(TwoSoftmaxAttention())  # type: ignore[arg-type]
+    with pytest.raises(px.HookError, match=r"layer 'mlp' \(TwoSoftmaxAttention\) forms attention weights twice"):
+        px.ForwardHook(model, log_fn=px.IdentityLog(), where="**.weights")(x)
+    # The remedy the error names: each softmax is a function site, the weights unselected.
+    named = px.function_sites(model, jax.nn.softmax)
+    _, log = px.ForwardHook(named, log_fn=px.IdentityLog(), where="**.softmax")(x)
+    logits = jax.vmap(lambda v: jnp.outer(v, v))(x)
+    close(log["mlp.softmax"], jax.nn.softmax(logits))
+    close(log["mlp.softmax@1"], jax.nn.softmax(2 * logits))

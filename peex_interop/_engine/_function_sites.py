@@ -7,8 +7,8 @@ While a hooking context is active in the calling thread, its call routes every c
 of each function, through whatever reference reaches it (`_routes.py`: a module
 attribute, an imported name, a partial in a table, a field, a default argument), and
 each call made inside a layer is the site `<layer path>.<function name>`
-(`_inner_sites.py`), unless it is the layer's attention weights (`<layer>.weights`:
-one call is one site). Being a static field, the list of functions is part of the
+(`_inner_sites.py`), unless it is the layer's attention weights where those are
+selected (`<layer>.weights`: one call is one site). Being a static field, the list of functions is part of the
 model's structure: a jitted function retraces when it changes.
 
 A jitted function held by a field of an Equinox module (`eqx.nn.MLP(activation=
@@ -123,7 +123,8 @@ def function_sites(model: PyTree, *functions: Callable) -> FunctionSites:
     jitted function (`jax.nn.silu`) reached only through a partial or a default
     argument is a site inside that jit: hooks that read the call site, and one-step
     selections, are refused there. A call that is an attention layer's weights
-    (`jax.nn.softmax` in a model's own attention) is its `.weights` site.
+    (`jax.nn.softmax` in a model's own attention) is its `.weights` site where a
+    selection names those.
     """
     named: dict[str, Callable] = {}
     for function in functions:

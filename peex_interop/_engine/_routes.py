@@ -20,9 +20,9 @@ function itself is rerouted, by the kind of object it is:
     hooking (plain hooks and logs; hooks that read the call site are refused there).
 
 Every route hands its calls to `route`, which decides per call which site, if any, the
-call is: the attention weights of the attention layer running (`weights_site`), or a
-function named with `px.function_sites`; any other call, and every call made outside
-a hooked call (other threads included), runs as written.
+call is: the attention weights of the attention layer running, where some selection
+wants them, or else a function named with `px.function_sites`; any other call, and
+every call made outside a hooked call (other threads included), runs as written.
 """
 
 import contextlib
@@ -78,9 +78,10 @@ def route(function: Callable, original: Callable, args: tuple, kwargs: dict) -> 
     frame = contexts[-1].frames[-1]
     if isinstance(frame.module, InnerCall):
         return original(*args, **kwargs)  # a call inside a site is that site's own
-    if id(function) in _weights_functions and is_attention_layer(frame.kind, frame.module):
-        if wanted(*WEIGHTS):
-            _refuse_a_second_time(frame, function)
+    weights = id(function) in _weights_functions and is_attention_layer(frame.kind, frame.module)
+    if weights and wanted(*WEIGHTS):
+        # One call, one site: named by a `px.function_sites` too, it is the weights.
+        _refuse_a_second_time(frame, function)
         return inner_site(*WEIGHTS, original, args, kwargs)
     for names in reversed(_named.items):
         name = names.get(id(function))
@@ -96,8 +97,8 @@ def _refuse_a_second_time(frame: Any, function: Callable) -> None:
         raise HookError(
             f"layer {frame.layer!r} ({type(frame.module).__name__}) forms attention weights twice in one call "
             f"({frame.weights_formed[0]}, then {_name(function)}): which one its `.weights` site is, is "
-            "ambiguous. Name the function with px.function_sites to log each call (`<layer>.<function>`, "
-            "`@1` for the second)."
+            "ambiguous. Name the function with px.function_sites and select its sites instead "
+            "(`<layer>.<function>`, `@1` for the second call)."
         )
     frame.weights_formed.append(_name(function))
 
