@@ -25,6 +25,7 @@ from jaxtyping import PyTree
 from .._engine._context import HookContext, InnerCall, Site, check_same_shape
 from .._engine._errors import HookError
 from .._engine._hooking import hooking
+from .._engine._inner_sites import ModuleView
 from .._engine._kinds import METHOD, PERTURBATION, SOWN
 from .._engine._selection import Selection, Where
 from .._hooks._wrapper import AbstractHookWrapper, selection_fields
@@ -49,21 +50,15 @@ class InterceptContext(NamedTuple):
     module_name: str
 
 
-class _Named:
-    """A library module seen with the names a Haiku interceptor reads."""
-
-    def __init__(self, module: Any, path: str):
-        names = {"module_name": path, "path": tuple(path.split(".")) if path else (), "name": path.rpartition(".")[2]}
-        vars(self).update({"viewed": module, **{k: v for k, v in names.items() if not hasattr(module, k)}})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.viewed, name)
-
-
 def _context(site: Site) -> InterceptContext:
     method = site.path.rpartition(".")[2] if site.kind == METHOD else "__call__"
     layer = site.path.rpartition(".")[0] if site.kind == METHOD else site.path
-    module = site.module if hasattr(site.module, "module_name") else _Named(site.module, layer)
+    module = site.module
+    if not hasattr(module, "module_name"):
+        # Seen with the names a Haiku interceptor reads, where the library has none.
+        segments = tuple(layer.split(".")) if layer else ()
+        names = {"module_name": layer, "path": segments, "name": layer.rpartition(".")[2]}
+        module = ModuleView(module, **{name: value for name, value in names.items() if not hasattr(module, name)})
     return InterceptContext(module, method, site.signature or site.call, type(site.module), layer)
 
 
@@ -77,7 +72,9 @@ class _Records:
         return hash(tuple(map(id, self.containers)))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Records) and all(a is b for a, b in zip(self.containers, other.containers))
+        return isinstance(other, _Records) and len(other.containers) == len(self.containers) and all(
+            a is b for a, b in zip(self.containers, other.containers)
+        )
 
     def marks(self) -> list[Any]:
         # A dict's entries (by identity) or a list's length, before a call.
