@@ -72,9 +72,9 @@ def _last_calls(log: dict[str, Any]) -> dict[str, Any]:
     return {_base(key): log[key] for key in numbered}
 
 
-class ForwardHook(_forward.ForwardHook):
-    """peex's `ForwardHook`: `(output, log)` with `log[name]` the last call of each
-    depth-1 submodule the model's own code calls (see the module docstring)."""
+class _PeexConventions(eqx.Module):
+    """What peex's two wrappers share: its signature, and its selection (depth 1, or
+    `layer_names` checked at call time)."""
 
     peex_names: tuple[str, ...] | None = eqx.field(static=True)
 
@@ -90,13 +90,20 @@ class ForwardHook(_forward.ForwardHook):
         """**Arguments:** as peex's: `model`, `hook_fn` and `log_fn` (applied after each
         call of a depth-1 submodule, or before it to its positional arguments with
         `pre_hook=True`), `log` (entries to start the log with), `layer_names`
-        (attribute names; all by default)."""
-        super().__init__(model, hook_fn, log_fn, log, pre_hook)
+        (attribute names; all by default). For `BackwardHook`, `log` holds the slots
+        `.init` makes."""
+        # The next class in the MRO: px's ForwardHook or BackwardHook.
+        super().__init__(model, hook_fn, log_fn, log, pre_hook)  # pyright: ignore[reportCallIssue]
         self.peex_names = None if layer_names is None else tuple(layer_names)
 
     @property
     def selection(self) -> Selection:
         return _selection(self.peex_names)
+
+
+class ForwardHook(_PeexConventions, _forward.ForwardHook):
+    """peex's `ForwardHook`: `(output, log)` with `log[name]` the last call of each
+    depth-1 submodule the model's own code calls (see the module docstring)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         """**Returns:** `(output, log)`, as peex's."""
@@ -115,38 +122,20 @@ class ForwardHook(_forward.ForwardHook):
         return site.call(*args, **site.kwargs)
 
 
-class BackwardHook(_backward.BackwardHook):
+class BackwardHook(_PeexConventions, _backward.BackwardHook):
     """peex's `BackwardHook`: `.init(*args)` gives one slot per depth-1 submodule the
     model's own code calls; a submodule called twice adds both calls' cotangents into
     its slot (see the module docstring)."""
-
-    peex_names: tuple[str, ...] | None = eqx.field(static=True)
-
-    def __init__(
-        self,
-        model: PyTree,
-        hook_fn: HookLike | None = IdentityHook(),
-        log_fn: AbstractLog = NoneLog(),
-        log: dict = {},  # noqa: B006 - peex's signature; never mutated
-        pre_hook: bool = False,
-        layer_names: Sequence[str] | None = None,
-    ):
-        """**Arguments:** as peex's (`log`: the slots `.init` makes)."""
-        super().__init__(model, hook_fn, log_fn, log, pre_hook)
-        self.peex_names = None if layer_names is None else tuple(layer_names)
-
-    @property
-    def selection(self) -> Selection:
-        return _selection(self.peex_names)
 
     def init(self, *args: Any, **kwargs: Any) -> "BackwardHook":
         """**Returns:** a copy with a zero slot per hooked submodule (the first call's
         shapes; every call of a submodule shares its slot)."""
         _check_layer_names(self.model, self.peex_names)
         slots = super().init(*args, **kwargs).log
+        shared = {_base(key): slot for key, slot in reversed(slots.items())}
+        # peex's signature (`_PeexConventions.__init__`), which type checkers do not see.
         return BackwardHook(
-            self.model, self.hook_fn, self.log_fn, {_base(k): v for k, v in reversed(slots.items())},
-            self.pre_hook, self.peex_names,
+            self.model, self.hook_fn, self.log_fn, shared, self.pre_hook, self.peex_names  # pyright: ignore[reportCallIssue]
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
