@@ -1,5 +1,6 @@
 # Everything a fresh machine needs: `make demo`, `make test`, `make docs`, `make lint`,
-# `make bench` (`make bench-check`: its smoke run); `make check-core` checks the no-extras install in a venv of its own.
+# `make bench` (`make bench-check`: its smoke run); `make check-core` checks the no-extras install in a venv of its own;
+# `make test-floor` tests the oldest supported releases in another.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -10,6 +11,26 @@ CORE_TESTS := tests/test_backward.py tests/test_depth.py tests/test_matrix_equin
 	tests/test_peex_compat.py tests/test_safety.py tests/test_selection.py \
 	tests/test_transforms.py tests/test_packaging.py tests/test_haiku.py tests/test_nnx.py \
 	tests/test_linen.py
+FLOOR_VENV := build/floor-venv
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+# What `make test-floor` leaves out (about 30% of the suite's time): tests that add no
+# version-dependent path to the ones it runs, which cover every transform, adapter,
+# layout, hook and `_engine/_jax.py` item. What they exercise beyond those is documents,
+# third-party models, jax.numpy arithmetic or plain Python, the same at every release:
+# - the docs' snippets, the examples and the notebook: small models through the public
+#   API, the kept tests' calls (and a check that the docs match the code);
+# - Hugging Face's GPT-2/BERT and a Gemma-like NNX model (test_real_models): third-party
+#   code (transformers pinned alike) through the linen/NNX adapters and attention sites
+#   that test_linen, test_nnx and test_attention_sites check;
+# - statistics, their packing and their pytrees (test_diagnostics,
+#   test_custom_pytree_stats, test_packing): jax.numpy arithmetic on logged values;
+# - the lm1b port (test_port_lm1b): the reads and writes of test_port_metadata and
+#   test_migration_matrix, composed;
+# - packaging, the API reference and the path grammar (test_packaging, test_selection):
+#   no JAX at all.
+FLOOR_LEFT_OUT := tests/test_docs_and_examples.py tests/test_notebook.py tests/test_real_models.py \
+	tests/test_diagnostics.py tests/test_custom_pytree_stats.py tests/test_packing.py \
+	tests/test_port_lm1b.py tests/test_packaging.py tests/test_selection.py
 
 # The first Python >= 3.12 that actually runs (pyenv shims can exist without a usable version).
 FIND_PYTHON := for c in $(PYTHON) python3.13 python3.12 python3 \
@@ -21,7 +42,7 @@ NEW_VENV = py=$$($(FIND_PYTHON)); \
 	if [ -z "$$py" ]; then echo "error: peex_interop needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi; \
 	echo "using $$py"; $$py -m venv
 
-.PHONY: demo test docs lint bench bench-check check-core clean
+.PHONY: demo test docs lint bench bench-check check-core test-floor clean
 
 $(STAMP): pyproject.toml
 	@$(NEW_VENV) $(VENV)
@@ -60,5 +81,18 @@ check-core:
 	$(CORE_VENV)/bin/python -m pip install --quiet pytest pytest-xdist hypothesis peex==0.0.3
 	$(CORE_VENV)/bin/python -m pytest -p no:cacheprovider $(CORE_TESTS)
 
+# The test suite, less FLOOR_LEFT_OUT, at the oldest supported releases: the test extra
+# installed with .ci/floor.txt as constraints (the floors `pyproject.toml` declares;
+# everything else resolves to its newest release that fits them).
+$(FLOOR_STAMP): pyproject.toml .ci/floor.txt
+	rm -rf $(FLOOR_VENV)
+	@$(NEW_VENV) $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -c .ci/floor.txt -e '.[test]'
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -m pytest -p no:cacheprovider -rs $(addprefix --ignore=,$(FLOOR_LEFT_OUT))
+
 clean:
-	rm -rf $(VENV) $(CORE_VENV) site
+	rm -rf $(VENV) $(CORE_VENV) $(FLOOR_VENV) site

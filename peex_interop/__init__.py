@@ -3,7 +3,9 @@
 import importlib as _importlib
 from typing import TYPE_CHECKING, Any as _Any
 
-from . import peex as peex  # peex's conventions: `from peex_interop import peex`
+# `_versions` first: an unsupported JAX or Equinox is one clear ImportError naming the
+# versions, raised before any other module touches JAX's internals.
+from . import _versions as _versions, peex as peex  # peex's conventions: `from peex_interop import peex`
 from ._adapters._function import (
     FunctionLayer as FunctionLayer,
     FunctionModule as FunctionModule,
@@ -42,6 +44,7 @@ from ._engine._errors import (
     PeexInteropError as PeexInteropError,
     PortError as PortError,
     TransformError as TransformError,
+    UnsupportedVersionError as UnsupportedVersionError,
 )
 from ._engine._function_sites import FunctionSites as FunctionSites, function_sites as function_sites
 from ._engine._kinds import KINDS as KINDS
@@ -173,6 +176,7 @@ __all__ = [
     "StdLog",
     "Summary",
     "TransformError",
+    "UnsupportedVersionError",
     "ZeroAblation",
     "activation_stats",
     "align",

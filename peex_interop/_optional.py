@@ -8,6 +8,9 @@ feature first needs it, inside `needs(...)`, so that a user without it gets
 
 import contextlib
 from collections.abc import Iterator
+from importlib import metadata
+
+from ._versions import FLOORS, require
 
 # Top-level module -> (the distribution pip installs, the extra of peex_interop that brings it).
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -31,9 +34,19 @@ def needs(feature: str, module: str) -> Iterator[None]:
     - `module`: the optional top-level module the body imports (a key of `EXTRAS`).
 
     Any other missing module (one that `module` itself imports: a broken install) is
-    re-raised as it is, since installing the extra again would not fix it.
+    re-raised as it is, since installing the extra again would not fix it. A library
+    older than the supported window (`_versions.FLOORS`) raises
+    `UnsupportedVersionError` before it is imported (an old Haiku may not import
+    beside a new JAX at all).
     """
     distribution, extra = EXTRAS[module]
+    if distribution in FLOORS:
+        try:
+            installed = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            pass  # not installed: the import below says what to install
+        else:
+            require(distribution, installed)
     try:
         yield
     except ModuleNotFoundError as error:

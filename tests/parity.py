@@ -284,9 +284,10 @@ def haiku_parity(transformed: Any, params: Any, state: Any, *args: Any, rng: Any
 class _CountingTraces:
     """JAX's `partial_eval` module as flax's `axes_scan` sees it while `linen_parity`
     runs: `nn.scan` (`axes_scan.scan`, which `nn.RNN` uses too) traces its body with
-    `pe.trace_to_jaxpr_dynamic` to check that its broadcast variables are loop
-    invariants, before `jax.lax.scan` traces it again; calls recorded meanwhile are
-    marked (`Observed.check_trace`). Everything else is the module's."""
+    `pe.trace_to_jaxpr_dynamic` (`trace_to_jaxpr_nounits` up to flax 0.12.8) to check
+    that its broadcast variables are loop invariants, before `jax.lax.scan` traces it
+    again; calls recorded meanwhile are marked (`Observed.check_trace`). Everything
+    else is the module's."""
 
     def __init__(self, module: Any, depth: list[int]):
         self.module, self.depth = module, depth
@@ -294,12 +295,18 @@ class _CountingTraces:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
 
-    def trace_to_jaxpr_dynamic(self, *args: Any, **kwargs: Any) -> Any:
+    def _counted(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self.depth[0] += 1
         try:
-            return self.module.trace_to_jaxpr_dynamic(*args, **kwargs)
+            return getattr(self.module, name)(*args, **kwargs)
         finally:
             self.depth[0] -= 1
+
+    def trace_to_jaxpr_dynamic(self, *args: Any, **kwargs: Any) -> Any:
+        return self._counted("trace_to_jaxpr_dynamic", *args, **kwargs)
+
+    def trace_to_jaxpr_nounits(self, *args: Any, **kwargs: Any) -> Any:
+        return self._counted("trace_to_jaxpr_nounits", *args, **kwargs)
 
 
 def linen_parity(

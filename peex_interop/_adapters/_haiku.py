@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 from haiku._src import base as hk_base  # the frames: Haiku's per-transform Python state
 from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_stack
-from jax._src.interpreters.batching import BatchTracer
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _methods, _shape_pass
+from .._engine import _context, _jax, _methods, _shape_pass
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import Container, Layout, Param, axes, is_abstract, lax_transpose_padding, put_like, refuse
@@ -195,7 +194,7 @@ def _array(leaf: Any) -> Any:
     the engine threads, and a batch tracer's value (a vmap the engine does not thread,
     as in `haiku_names`, maps its inputs along axis 0 into tracers holding them)."""
     leaf = _context.origin(leaf)
-    while isinstance(leaf, BatchTracer):
+    while isinstance(leaf, _jax.BatchTracer):
         leaf = leaf.val
     return leaf
 

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.nn import functions as jax_nn_functions  # the XLA implementation's masks
 
+from . import _jax
 from ._errors import HookError
 from ._inner_sites import WEIGHTS, inner_site, running_path, wanted
 
@@ -71,7 +71,7 @@ def _with_weights(query: Any, key: Any, value: Any, bias: Any, mask: Any, option
     window = options["local_window_size"]
     window = (window, window) if isinstance(window, int) else window
     q_lengths, kv_lengths = options["query_seq_lengths"], options["key_value_seq_lengths"]
-    logits = jax_nn_functions._apply_masks(  # pyright: ignore[reportPrivateUsage]
+    logits = _jax.apply_masks(
         logits, None if mask is None else four_d(mask).astype(bool), options["is_causal"],
         None if q_lengths is None else jnp.asarray(q_lengths),
         None if kv_lengths is None else jnp.asarray(kv_lengths), window,
@@ -84,7 +84,7 @@ def _with_weights(query: Any, key: Any, value: Any, bias: Any, mask: Any, option
     weights = inner_site(*WEIGHTS, weights_of, (logits,), {})
     encoded = jnp.einsum("BNTS,BSNH->BTNH", jnp.reshape(weights, (-1, *weights.shape[-3:])), v)
     if q_lengths is not None:
-        padding = jax_nn_functions._get_padding_mask_encoded(encoded.shape[1], jnp.asarray(q_lengths))  # pyright: ignore[reportPrivateUsage]
+        padding = _jax.padding_mask_encoded(encoded.shape[1], jnp.asarray(q_lengths))
         encoded = encoded * padding.astype(encoded.dtype)
     return jnp.reshape(encoded, query.shape)
 

@@ -8,9 +8,9 @@ A `BackwardHook`'s slot there is per example (it comes in mapped): so that it re
 each example's own cotangent, the value it hooks must be batched too.
 
 `per_example(value)` binds `peex_interop_per_example`, an identity whose batching rule is
-called at every enclosing vmap even when its input is unbatched there (a rule in
-`batching.fancy_primitive_batchers` is always called), and broadcasts it along that
-vmap's axis (exact: every row is the value). It then binds itself again one trace
+called at every enclosing vmap even when its input is unbatched there (a rule given to
+`_jax.register_batching` is always called), and broadcasts it along that vmap's axis
+(exact: every row is the value). It then binds itself again one trace
 further out, so nested vmaps, and the vmaps a jit's program is batched by later (a jit
 inside a vmap body), all see it. Outside any vmap it is the identity in every
 interpretation: evaluation, lowering, differentiation (linear, its own transpose).
@@ -21,16 +21,16 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
 
-per_example_p = core.Primitive("peex_interop_per_example")
+from . import _jax
+
+per_example_p = _jax.Primitive("peex_interop_per_example")
 per_example_p.def_impl(lambda x: x)
 per_example_p.def_abstract_eval(lambda aval: aval)
-mlir.register_lowering(per_example_p, lambda ctx, x: [x])
+_jax.register_lowering(per_example_p, lambda ctx, x: [x])
 # Linear: the tangent is bound too (it is batched like the primal), and an identity
 # is its own transpose.
-ad.deflinear2(per_example_p, lambda cotangent, x: [cotangent])
+_jax.register_linear(per_example_p, lambda cotangent, x: [cotangent])
 
 
 def _per_example_batched(axis_data, values, dims):
@@ -42,7 +42,7 @@ def _per_example_batched(axis_data, values, dims):
     return per_example_p.bind(value), dim
 
 
-batching.fancy_primitive_batchers[per_example_p] = _per_example_batched
+_jax.register_batching(per_example_p, _per_example_batched)
 
 
 def per_example(tree: Any) -> Any:

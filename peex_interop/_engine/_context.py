@@ -20,13 +20,10 @@ from typing import Any, NamedTuple, Protocol
 import equinox as eqx
 import jax
 import jax.core
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src.core import trace_ctx as _trace_ctx
-from jax._src.interpreters.batching import BatchTrace as _BatchTrace, BatchTracer as _BatchTracer
 
-from . import _harvest, _known_paths
+from . import _harvest, _jax, _known_paths
 from ._errors import HookError, TransformError
 from ._kinds import MEMBERS, METHOD
 from ._paths import AbstractConverted, join, walk
@@ -230,14 +227,6 @@ class _Scope:
     steps: dict = dataclasses.field(default_factory=dict)
 
 
-def _current_trace() -> Any:
-    return _trace_ctx.trace
-
-
-def _trace_state() -> Any:
-    return jex_core.get_opaque_trace_state()
-
-
 THREADED = (
     "Threaded transforms, whatever reference reaches them: jax.vmap, eqx.filter_vmap, "
     "jax.lax.scan, jax.lax.map, jax.lax.fori_loop with static bounds, jax.lax.cond, "
@@ -261,18 +250,16 @@ def transform_name() -> str:
     """The transform the current trace belongs to, for error messages (private JAX
     API, used only to make a message precise)."""
     try:
-        from jax._src import core
-
-        trace = core.trace_ctx.trace
+        trace = _jax.current_trace()
         kind = type(trace).__name__
         if kind == "BatchTrace":
             return "jax.vmap applied before hooking began (a function decorated with @jax.vmap at import)"
         if kind in ("JVPTrace", "LinearizeTrace", "JaxprTrace"):
             return "autodiff inside the model (jax.grad/jax.vjp/jax.jacrev/jax.linearize)"
-        info = trace.frame.debug_info
+        traced_for, func_name = _jax.traced_for(trace)
         # JAX names sub-traces after their transform ("custom_vjp fun", "while_body").
-        named = _TRACED_FOR.get(info.traced_for) or _TRACED_FOR.get(info.traced_for.split(" ")[0])
-        return f"{named or repr(info.traced_for)} of {info.func_name!r}"
+        named = _TRACED_FOR.get(traced_for) or _TRACED_FOR.get(traced_for.split(" ")[0])
+        return f"{named or repr(traced_for)} of {func_name!r}"
     except Exception:
         return "a JAX transform"
 
@@ -335,7 +322,7 @@ class HookContext:
         self._hooked_at_entry: list[int] = []
         # This call's own wrappers of jitted functions that call selected layers.
         self.deferred_bodies: dict[Any, Callable] = {}
-        self.scopes = [_Scope({} if probes is None else probes, _trace_state())]
+        self.scopes = [_Scope({} if probes is None else probes, _jax.trace_state())]
 
     def _index(self, root: Any) -> bool:
         """Index modules by identity and array leaves by identity (every path of a
@@ -368,7 +355,7 @@ class HookContext:
                     return entry[0]
             # Inside a vmap the engine did not thread, a model array passed in is held
             # by a batch tracer (the array itself when it is mapped along axis 0).
-            if not isinstance(leaf, _BatchTracer):
+            if not isinstance(leaf, _jax.BatchTracer):
                 return []
             leaf = leaf.val
 
@@ -663,11 +650,11 @@ class HookContext:
     def in_foreign_jaxpr(self) -> bool:
         """Whether code running now is traced into a program by a transform the engine
         did not thread (a vmap the engine did not thread is no program: it may carry)."""
-        return self.in_foreign_trace() and not isinstance(_current_trace(), _BatchTrace)
+        return self.in_foreign_trace() and not isinstance(_jax.current_trace(), _jax.BatchTrace)
 
     def in_foreign_trace(self) -> bool:
         """Whether code running now is under a transform the engine did not thread."""
-        return _trace_state() != self.scopes[-1].trace_state
+        return _jax.trace_state() != self.scopes[-1].trace_state
 
     def _check_carryable(self, path: str, one_step: bool) -> None:
         """Carried values have no traced index of the unthreaded transforms around them
@@ -837,7 +824,7 @@ class HookContext:
         axis fewer inside) runs a stack of layers. `visible`: an enclosed body's
         inputs that stand for the enclosing scope's indices."""
         parent = self.scopes[-1]
-        scope = _Scope(probes, _trace_state(), plants, length=length, index=index)
+        scope = _Scope(probes, _jax.trace_state(), plants, length=length, index=index)
         scope.cached = self.scopes[-1].cached or cached
         scope.indices = parent.indices if visible is None else tuple(visible)
         scope.lengths = parent.lengths

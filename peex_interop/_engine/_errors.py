@@ -31,6 +31,13 @@ class PortError(HookError):
         self.comparison = comparison
 
 
+class UnsupportedVersionError(PeexInteropError, ImportError):
+    """Raised when an installed library is older than the releases peex_interop supports
+    (`import peex_interop` for JAX and Equinox, the first use of an adapter for Flax and
+    Haiku): the message names the installed and the supported versions, and the upgrade
+    that fixes it."""
+
+
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (.+?)\.?(?: To fix|$)")
 
 

@@ -35,13 +35,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src import core, pjit
-from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
-from jax._src.lax.control_flow import conditionals, loops
-from jax._src.named_sharding import UNSPECIFIED
 
+from . import _jax
 from ._errors import TransformError
 
 
@@ -71,9 +69,9 @@ class Tag:
         return (self.name if count == 0 else f"{self.name}@{count}") + self.suffix
 
 
-sow_p = core.Primitive("peex_interop_sow")
+sow_p = _jax.Primitive("peex_interop_sow")
 sow_p.multiple_results = True
-plant_p = core.Primitive("peex_interop_plant")
+plant_p = _jax.Primitive("peex_interop_plant")
 plant_p.multiple_results = True
 
 
@@ -94,10 +92,10 @@ sow_p.def_impl(_escaped("sown"))
 plant_p.def_impl(_escaped("planted"))
 sow_p.def_abstract_eval(lambda *avals, tag: [])
 plant_p.def_abstract_eval(lambda *, tag, avals: list(avals))
-mlir.register_lowering(sow_p, _escaped("sown"))
-mlir.register_lowering(plant_p, _escaped("planted"))
+_jax.register_lowering(sow_p, _escaped("sown"))
+_jax.register_lowering(plant_p, _escaped("planted"))
 # Sown values are used by nobody inside the program: keep them through dead-code passes.
-pe.dce_rules[sow_p] = lambda used_outputs, live_inputs, eqn: ([True] * len(eqn.invars), eqn)
+_jax.keep_in_dead_code(sow_p)
 
 
 def _sow_batched(axis_data, values, dims, *, tag):
@@ -111,12 +109,12 @@ def _sow_batched(axis_data, values, dims, *, tag):
 
 def _plant_batched(axis_data, values, dims, *, tag, avals):
     del values, dims
-    whole = tuple(core.ShapedArray((axis_data.size, *a.shape), a.dtype) for a in avals)
+    whole = tuple(_jax.ShapedArray((axis_data.size, *a.shape), a.dtype) for a in avals)
     return plant_p.bind(tag=tag, avals=whole), [0] * len(avals)
 
 
-batching.fancy_primitive_batchers[sow_p] = _sow_batched
-batching.fancy_primitive_batchers[plant_p] = _plant_batched
+_jax.register_batching(sow_p, _sow_batched)
+_jax.register_batching(plant_p, _plant_batched)
 
 
 def _sow_jvp(primals, tangents, *, tag):
@@ -134,16 +132,16 @@ def _plant_jvp(primals, tangents, *, tag, avals):
     )
 
 
-ad.primitive_jvps[sow_p] = _sow_jvp
-ad.primitive_jvps[plant_p] = _plant_jvp
+_jax.register_jvp(sow_p, _sow_jvp)
+_jax.register_jvp(plant_p, _plant_jvp)
 
 
 def sow(context_index: int, tag_parts: dict, value: Any, where: str) -> None:
     """Record `value` (a log pytree) for the scope below the current trace."""
     leaves, treedef = jtu.tree_flatten(value)
-    arrays = [leaf for leaf in leaves if isinstance(leaf, (jax.Array, core.Tracer))]
+    arrays = [leaf for leaf in leaves if isinstance(leaf, (jax.Array, jax.core.Tracer))]
     if len(arrays) != len(leaves):
-        static = tuple(None if isinstance(leaf, (jax.Array, core.Tracer)) else leaf for leaf in leaves)
+        static = tuple(None if isinstance(leaf, (jax.Array, jax.core.Tracer)) else leaf for leaf in leaves)
     else:
         static = ()
     tag = Tag(context_index, treedef=treedef, static=static, where=where, **tag_parts)
@@ -155,7 +153,7 @@ def plant(context_index: int, tag_parts: dict, template: Any, where: str) -> Any
     below the current trace."""
     leaves, treedef = jtu.tree_flatten(template)
     tag = Tag(context_index, treedef=treedef, static=(), where=where, **tag_parts)
-    avals = tuple(core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
+    avals = tuple(_jax.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
     return jtu.tree_unflatten(treedef, plant_p.bind(tag=tag, avals=avals))
 
 
@@ -204,7 +202,7 @@ def _plant_bind(original: Callable) -> Callable:
     return bind_with_trace
 
 
-def _carried(jaxpr: core.Jaxpr) -> tuple[list, list]:
+def _carried(jaxpr: Any) -> tuple[list, list]:
     return (
         [e for e in jaxpr.eqns if e.primitive is sow_p],
         [e for e in jaxpr.eqns if e.primitive is plant_p],
@@ -216,42 +214,33 @@ def _jit_bind(original: Callable) -> Callable:
     the slots as extra inputs; they are sown/planted again at the trace it is bound at."""
 
     def bind_with_trace(trace, args, avals, params, /):
-        jaxpr: core.Jaxpr = params["jaxpr"]
+        jaxpr = _jax.jit_program(params)
         sown, planted = _carried(jaxpr)
         if not sown and not planted:
             return original(trace, args, avals, params)
         carried = {id(e) for e in (*sown, *planted)}
         new_in = [v for e in planted for v in e.outvars]
         new_out = [a for e in sown for a in e.invars]
-        inner = jaxpr.replace(
+        inner = _jax.program_with(
+            jaxpr,
             invars=[*jaxpr.invars, *new_in],
             outvars=[*jaxpr.outvars, *new_out],
             eqns=[e for e in jaxpr.eqns if id(e) not in carried],
-            debug_info=jaxpr.debug_info.with_unknown_names(),
         )
         batch = next(_batches)
         slots = []
         for e in planted:
             tag = dataclasses.replace(e.params["tag"], batch=(batch, e.params["tag"].batch))
-            slots.extend(plant_p.bind_with_trace(trace, (), (), {"tag": tag, "avals": e.params["avals"]}))
-        k, m = len(new_in), len(new_out)
-        new_params = {
-            **params,
-            "jaxpr": inner,
-            "in_shardings": (*params["in_shardings"], *[UNSPECIFIED] * k),
-            "in_layouts": (*params["in_layouts"], *[None] * k),
-            "donated_invars": (*params["donated_invars"], *[False] * k),
-            "out_shardings": (*params["out_shardings"], *[UNSPECIFIED] * m),
-            "out_layouts": (*params["out_layouts"], *[None] * m),
-        }
+            slots.extend(_jax.bind_at(plant_p, trace, (), {"tag": tag, "avals": e.params["avals"]}))
+        new_params = _jax.jit_params_with(params, inner, len(new_in), len(new_out))
         all_args = (*args, *slots)
-        outs = original(trace, all_args, tuple(core.typeof(x) for x in all_args), new_params)
+        outs = original(trace, all_args, tuple(jax.typeof(x) for x in all_args), new_params)
         n = len(jaxpr.outvars)
         extra = list(outs[n:])
         for e in sown:
             values, extra = extra[: len(e.invars)], extra[len(e.invars) :]
             tag = dataclasses.replace(e.params["tag"], batch=(batch, e.params["tag"].batch))
-            sow_p.bind_with_trace(trace, tuple(values), tuple(core.typeof(v) for v in values), {"tag": tag})
+            _jax.bind_at(sow_p, trace, values, {"tag": tag})
         return outs[:n]
 
     return bind_with_trace
@@ -262,12 +251,12 @@ def _jit_impl(original: Callable) -> Callable:
     one holding carried values is bound instead, so that `_jit_bind` rewrites it."""
 
     def call_impl(*args, **params):
-        sown, planted = _carried(params["jaxpr"])
+        sown, planted = _carried(_jax.jit_program(params))
         if sown or planted:
-            return pjit.jit_p.bind(*args, **params), None, None, []
+            return _jax.jit_call_result(_jax.JIT.bind(*args, **params))
         result = original(*args, **params)
         if params["jaxpr"] in hooked_programs:
-            hooked_executables.add(result[1])
+            hooked_executables.add(_jax.jit_executable(result))
         return result
 
     return call_impl
@@ -282,24 +271,13 @@ hooked_programs: "weakref.WeakSet[Any]" = weakref.WeakSet()
 hooked_executables: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def _subjaxprs(params: dict) -> list[core.Jaxpr]:
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, core.Jaxpr):
-                found.append(item)
-            elif isinstance(getattr(item, "jaxpr", None), core.Jaxpr):
-                found.append(item.jaxpr)
-    return found
-
-
 def _refusing(name: str) -> Callable[[Callable], Callable]:
     """A transform whose body may hold sown/planted values that it cannot return:
     refused, naming the layers."""
 
     def make(original: Callable) -> Callable:
         def bind_with_trace(trace, args, avals, params, /):
-            carried = [e for j in _subjaxprs(params) for e in j.eqns if e.primitive in (sow_p, plant_p)]
+            carried = [e for j in _jax.sub_programs(params) for e in j.eqns if e.primitive in (sow_p, plant_p)]
             if carried:
                 paths = sorted({e.params["tag"].path for e in carried})
                 raise TransformError(
@@ -322,15 +300,14 @@ def _refusing(name: str) -> Callable[[Callable], Callable]:
 def primitive_patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     """Patch targets for `_patching.patched`: instance-level `bind_with_trace` of the
     carrying primitives, the jit primitive, and the transforms that refuse them."""
-    from jax._src import ad_checkpoint
-
+    bind = _jax.BIND
     return [
-        (sow_p, "bind_with_trace", _sow_bind),
-        (plant_p, "bind_with_trace", _plant_bind),
-        (pjit.jit_p, "bind_with_trace", _jit_bind),
-        (pjit, "_pjit_call_impl_python", _jit_impl),
-        (loops.while_p, "bind_with_trace", _refusing("jax.lax.while_loop (or a fori_loop with traced bounds)")),
-        (loops.scan_p, "bind_with_trace", _refusing("jax.lax.scan")),
-        (conditionals.cond_p, "bind_with_trace", _refusing("jax.lax.cond/switch")),
-        (ad_checkpoint.remat_p, "bind_with_trace", _refusing("jax.checkpoint (applied before hooking began)")),
+        (sow_p, bind, _sow_bind),
+        (plant_p, bind, _plant_bind),
+        (_jax.JIT, bind, _jit_bind),
+        (*_jax.JIT_CALL_IMPL, _jit_impl),
+        (_jax.WHILE, bind, _refusing("jax.lax.while_loop (or a fori_loop with traced bounds)")),
+        (_jax.SCAN, bind, _refusing("jax.lax.scan")),
+        (_jax.COND, bind, _refusing("jax.lax.cond/switch")),
+        (_jax.REMAT, bind, _refusing("jax.checkpoint (applied before hooking began)")),
     ]

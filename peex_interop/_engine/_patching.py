@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from . import _jax
 from ._errors import HookError
 
 _lock = threading.Lock()
@@ -18,16 +19,8 @@ _lock = threading.Lock()
 _installed: dict[tuple[int, str], list] = {}
 
 ORIGINAL = "__peex_interop_original__"
-# The attribute name that stands for the function a JAX entry point wraps (see `_cell`).
+# The attribute name that stands for the function a JAX entry point wraps (see `_jax.wrapped_cell`).
 WRAPPED_FUNCTION = "<wrapped function>"
-
-
-def _cell(wrapper: Any) -> Any:
-    """The closure cell in which a JAX entry point (`jax.vmap`, `jax.lax.scan`, ...: an
-    `api_boundary` wrapper) holds the function it calls. Replacing the cell's contents
-    reaches every reference to the entry point: `from jax import vmap`, an alias
-    module, a `functools.partial` of it, JAX's own internal calls."""
-    return wrapper.__closure__[wrapper.__code__.co_freevars.index("fun")]
 
 
 def unwrap(value: Any) -> Any:
@@ -40,13 +33,13 @@ def unwrap(value: Any) -> Any:
 def current(owner: Any, name: str) -> Any:
     """What `owner.name` is now (for a JAX entry point's `WRAPPED_FUNCTION`: the
     function in its cell), to check that every patch was undone."""
-    return _cell(owner).cell_contents if name == WRAPPED_FUNCTION else getattr(owner, name)
+    return _jax.wrapped_cell(owner).cell_contents if name == WRAPPED_FUNCTION else getattr(owner, name)
 
 
 def entry_point(wrapper: Any) -> Any:
     """The function behind a JAX entry point (`jax.jit`, `jax.eval_shape`, ...), never
     a hooking replacement: for the engine's own transforms, which must not be threaded."""
-    return unwrap(wrapper).__wrapped__
+    return _jax.wrapped_function(unwrap(wrapper))
 
 
 def purpose_of(make: Callable[[Any], Any]) -> Any:
@@ -72,7 +65,7 @@ def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
             entry[3] += 1
             return
         if name == WRAPPED_FUNCTION:
-            cell = _cell(owner)
+            cell = _jax.wrapped_cell(owner)
             had_own, own_value, original = True, cell.cell_contents, unwrap(cell.cell_contents)
         else:
             had_own = name in vars(owner)
@@ -81,7 +74,7 @@ def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         replacement = make(original)
         setattr(replacement, ORIGINAL, original)  # how `unwrap` and chained patches find it
         if name == WRAPPED_FUNCTION:
-            _cell(owner).cell_contents = replacement
+            _jax.wrapped_cell(owner).cell_contents = replacement
         else:
             setattr(owner, name, replacement)
         _installed[(id(owner), name)] = [owner, had_own, own_value, 1, purpose_of(make)]
@@ -95,7 +88,7 @@ def _uninstall(owner: Any, name: str) -> None:
             return
         del _installed[(id(owner), name)]
         if name == WRAPPED_FUNCTION:
-            _cell(owner).cell_contents = entry[2]
+            _jax.wrapped_cell(owner).cell_contents = entry[2]
         elif entry[1]:
             setattr(owner, name, entry[2])
         else:

@@ -30,7 +30,7 @@ import jax.tree_util as jtu
 import numpy as np
 from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 
-from . import _context, _harvest, _patching, _pooling, _shape_pass
+from . import _context, _harvest, _jax, _patching, _pooling, _shape_pass
 from ._errors import HookError
 
 
@@ -299,7 +299,10 @@ def threaded_vmap(real_vmap: Callable) -> Callable:
         out_axes = options.pop("out_axes", 0)
 
         def mapped(*args, **kwargs):
-            if not _context.active():
+            # An in_axes tuple not one per positional argument is JAX's to refuse, in its
+            # own words (which differ by release), not about the engine's extra argument.
+            mismatched = isinstance(in_axes, (tuple, list)) and len(in_axes) != len(args)
+            if not _context.active() or mismatched:
                 return real_vmap(fun, in_axes, out_axes, **options)(*args, **kwargs)
             body = _Body(fun, (args, kwargs))
             length = _mapped_size(in_axes, args, kwargs, options.get("axis_size"))
@@ -695,7 +698,7 @@ def _deferring_infer_params(real_infer_params: Callable) -> Callable:
         finally:
             _jit_arguments.items.pop()
         if fun in _hooked_inside:
-            _harvest.hooked_programs.add(inferred[0].params["jaxpr"])
+            _harvest.hooked_programs.add(_jax.jit_traced_program(inferred))
         return inferred
 
     return infer_params
@@ -791,8 +794,6 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
     jax import vmap`, `import jax.lax as L`, `functools.partial(jax.vmap, ...)`), the
     jit trace entry of functions jitted before hooking, and the primitives that carry
     values through the transforms applied before hooking (`_harvest`)."""
-    from jax._src import pjit, shard_map as jax_shard_map
-
     cell = _patching.WRAPPED_FUNCTION
     return [
         (jax.vmap, cell, threaded_vmap),
@@ -808,9 +809,9 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
         (jax, "jit", threaded_jit),
         (jax, "eval_shape", threaded_eval_shape),
         # `jax.shard_map` calls the module's `_shard_map` however it was reached.
-        (jax_shard_map, "_shard_map", threaded_shard_map),
+        (*_jax.SHARD_MAP, threaded_shard_map),
         (_JitWrapper, "__call__", threaded_filter_jit_call),
-        (pjit, "_infer_params", _deferring_infer_params),
-        (pjit, "_get_fastpath_data", _no_fast_path),
+        (*_jax.JIT_INFER_PARAMS, _deferring_infer_params),
+        (*_jax.JIT_FAST_PATH, _no_fast_path),
         *_harvest.primitive_patches(),
     ]

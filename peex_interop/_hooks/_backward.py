@@ -8,6 +8,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from .._adapters._equinox import is_state
+from .._engine import _jax
 from .._engine._arguments import pre_hook_inputs
 from .._engine._batching import per_example
 from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
@@ -261,23 +262,31 @@ def _perturbed_by_jvp(primals: tuple, tangents: tuple) -> tuple:
     return value, value_tangent + slot_tangent
 
 
+def _added(value: Array, slot: Array) -> Array:
+    # JAX 0.10 and 0.11 drop `_perturbed_by`'s tangent inside a scanned custom_vjp
+    # (`_jax.TANGENT_SURVIVES_CUSTOM_VJP_IN_SCAN`: second derivatives silently zero):
+    # there the slot is added in the forward pass, its value stopped (`value + 0`).
+    return value + (slot - jax.lax.stop_gradient(slot))
+
+
 def _through_slot(value: Any, slot: Any, steps: Any, perturbs: bool) -> Any:
     """The layer's value, perturbed by its slot where the slot has the shapes of the
     value's floating-point leaves (`perturbs`: a log of the cotangent itself,
     `IdentityLog`): a derivative taken *around* the backward pass (`jax.hessian`, the
     gradient of a function of cotangents) then gives the slot the outer cotangent of
     the layer's output, as for any input of the model. The perturbation is a tangent
-    only (`_perturbed_by`): the forward pass computes nothing more. A slot of another
-    shape (a statistic) has no such meaning: its outer derivative is zero, as
-    documented."""
+    only (`_perturbed_by`): the forward pass computes nothing more (on JAX 0.10 and
+    0.11, one add of zero, `_added`: -0.0 becomes 0.0). A slot of another shape (a
+    statistic) has no such meaning: its outer derivative is zero, as documented."""
     if not perturbs:
         return value
     if steps is not None:
         # A stack selected at some steps: the other steps' outputs stay unperturbed.
         active, _ = steps
         slot = jtu.tree_map(lambda s: jnp.where(active, s, jnp.zeros_like(s)), slot)
+    perturbed_by = _perturbed_by if _jax.TANGENT_SURVIVES_CUSTOM_VJP_IN_SCAN else _added
     return jtu.tree_map(
-        lambda s, v: v if s is None else _perturbed_by(v, s), slot, value, is_leaf=lambda x: x is None
+        lambda s, v: v if s is None else perturbed_by(v, s), slot, value, is_leaf=lambda x: x is None
     )
 
 
