@@ -39,6 +39,7 @@ from ._diagnostics._summary import (
     total_params as total_params,
 )
 from ._engine._context import CallSite as CallSite, InnerCall as InnerCall
+from ._engine._declarations import Declared as Declared, StoredParam as StoredParam, at as at, declare as declare
 from ._engine._errors import (
     HookError as HookError,
     PeexInteropError as PeexInteropError,
@@ -139,6 +140,7 @@ __all__ = [
     "CallSite",
     "Comparison",
     "ComparisonRow",
+    "Declared",
     "ForwardHook",
     "FunctionHook",
     "FunctionLayer",
@@ -174,6 +176,7 @@ __all__ = [
     "Stats",
     "StatsLog",
     "StdLog",
+    "StoredParam",
     "Summary",
     "TransformError",
     "UnsupportedVersionError",
@@ -181,8 +184,10 @@ __all__ = [
     "activation_stats",
     "align",
     "all_of",
+    "at",
     "cache",
     "compare",
+    "declare",
     "from_function",
     "from_haiku",
     "from_linen",

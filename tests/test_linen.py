@@ -253,8 +253,14 @@ def test_modules_sharing_a_scope_are_layers_of_their_own():
     # A transfer of the shared scope into a plain Dense would drop A and B (was done silently).
     plain = nn.Sequential([nn.Dense(3), nn.Dense(2)])
     dst = from_linen(plain, plain.init(jax.random.key(2), x))
-    for inputs in ({}, {"inputs": x}):
-        with pytest.raises(px.HookError, match=r"cannot map layer 'Dense_0'"):
+    # Without a call, the scope reads as a Dense by its kernel; with one, as the LoRA
+    # class of no known layout it is: refused either way, naming A and B.
+    for inputs, refusal in (({}, r"cannot map layer 'Dense_0': its parameters \['A', 'B'\] are not part"), (
+        {"inputs": x},
+        r"cannot map layer 'layers_0': the source 'Dense_0' is a layer of no known parameter layout, holding "
+        r"A \(5, 2\), B \(2, 3\)",
+    )):
+        with pytest.raises(px.HookError, match=refusal):
             px.transfer_params(model, dst, {"Dense_0": "layers_0", "head": "layers_1"}, **inputs)
 
     root = SharedAtTheRoot()

@@ -175,7 +175,7 @@ def test_incomplete_alignments_and_raw_models_are_refused(eqx_source):
         def __call__(self, x):
             return self.extra(self.mlp(x))
 
-    with pytest.raises(px.HookError, match=r"unmatched or ambiguous: .*destination 'extra'"):
+    with pytest.raises(px.HookError, match=r"unmatched, ambiguous or of unknown layout: .*destination 'extra'"):
         px.port(eqx_source, px.from_nnx(Wider(nnx.Rngs(8))), X)
     with pytest.raises(px.HookError, match="no example inputs"):
         px.port(eqx_source, eqx_source)

@@ -18,8 +18,20 @@ import jax.tree_util as jtu
 from equinox.nn import _attention as eqx_attention  # its module globals: how MHA calls jax
 
 from .._engine import _context, _inner_sites, _methods, _patching, _shape_pass
+from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, StoredParam, as_stored, at, declare
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, put_like, refuse, refuse_reparametrised, refuse_unread
+from .._engine._layouts import (
+    AS_STORED,
+    Container,
+    Layout,
+    Param,
+    axes,
+    is_inexact,
+    put_like,
+    refuse,
+    refuse_reparametrised,
+    refuse_unread,
+)
 from .._engine._paths import AbstractConverted, AbstractTransparent, children, join, walk
 
 # Equinox's built-in layers, by library-independent kind (`px.KINDS`).
@@ -180,57 +192,89 @@ _shape_pass.register(_save_equinox_states)
 _ATTENTION_INPUTS = ("query_proj", "key_proj", "value_proj")
 
 
-def _linear_fields(module: eqx.nn.Linear, parent: Any, field: str | None) -> tuple[str, dict, dict]:
+def _linear_layout(module: eqx.nn.Linear, parent: Any, field: str | None) -> Declared:
     if isinstance(parent, eqx.nn.MultiheadAttention) and field in _ATTENTION_INPUTS:
-        heads = axes(("heads", "head_dim"))[0]
-        fields = {"kernel": ("weight", axes(heads, "in")), "bias": ("bias", axes(heads))}
-        return "attention_in", fields, {"heads": parent.num_heads}
+        heads = ("heads", "head_dim")
+        return declare(
+            "attention_in", kernel=at("weight", heads, "in"), bias=at("bias", heads), sizes={"heads": parent.num_heads}
+        )
     if isinstance(parent, eqx.nn.MultiheadAttention) and field == "output_proj":
-        heads = axes(("heads", "head_dim"))[0]
-        fields = {"kernel": ("weight", axes("out", heads)), "bias": ("bias", axes("out"))}
-        return "attention_out", fields, {"heads": parent.num_heads}
-    return "linear", {"kernel": ("weight", axes("out", "in")), "bias": ("bias", axes("out"))}, {}
+        heads = ("heads", "head_dim")
+        sizes = {"heads": parent.num_heads}
+        return declare("attention_out", kernel=at("weight", "out", heads), bias=at("bias", "out"), sizes=sizes)
+    return declare("linear", kernel=at("weight", "out", "in"), bias=at("bias", "out"))
 
 
-def _equinox_fields(module: Any, parent: Any, field: str | None, path: str) -> tuple[str, dict, dict, dict, dict]:
-    """(kind, {name: (field, axes)}, sizes, orders, facts) of an Equinox layer."""
+# BatchNorm's statistics are read from its `eqx.nn.State`, not from a field.
+_IN_STATE = StoredParam((), axes("features"))
+
+
+def _built_in(module: Any, parent: Any, field: str | None) -> Declared | None:
+    """The layout of one of Equinox's own layers, `None` for another."""
     if isinstance(module, eqx.nn.Linear):
-        return (*_linear_fields(module, parent, field), {}, {})
-    if isinstance(module, eqx.nn.Conv):
+        return _linear_layout(module, parent, field)
+    if isinstance(module, (eqx.nn.Conv, eqx.nn.ConvTranspose)):
         window = tuple(f"window{i}" for i in range(module.num_spatial_dims))
-        fields = {"kernel": ("weight", axes("out", "in", *window)), "bias": ("bias", axes("out", *[()] * len(window)))}
-        return "conv", fields, {}, {}, {"groups": module.groups}
-    if isinstance(module, eqx.nn.ConvTranspose):
-        window = tuple(f"window{i}" for i in range(module.num_spatial_dims))
-        fields = {"kernel": ("weight", axes("out", "in", *window)), "bias": ("bias", axes("out", *[()] * len(window)))}
-        return "conv_transpose", fields, {}, {}, _transpose_facts(module)
+        kernel, bias = at("weight", "out", "in", *window), at("bias", "out", *[()] * len(window))
+        if isinstance(module, eqx.nn.Conv):
+            return declare("conv", kernel=kernel, bias=bias, facts={"groups": module.groups})
+        return declare("conv_transpose", kernel=kernel, bias=bias, facts=_transpose_facts(module))
     if isinstance(module, eqx.nn.Embedding):
-        return "embedding", {"embedding": ("weight", axes("vocab", "features"))}, {}, {}, {}
+        return declare("embedding", embedding=at("weight", "vocab", "features"))
+    norm = {"scale": at("weight", "features"), "offset": at("bias", "features")}
     if isinstance(module, (eqx.nn.LayerNorm, eqx.nn.RMSNorm)) and len(module.shape) == 1:
-        return "norm", {"scale": ("weight", axes("features")), "offset": ("bias", axes("features"))}, {}, {}, {}
+        return declare("norm", **norm)
     if isinstance(module, eqx.nn.GroupNorm):
-        fields = {"scale": ("weight", axes("features")), "offset": ("bias", axes("features"))}
-        return "norm", fields, {}, {}, {"groups": module.groups}
+        return declare("norm", **norm, facts={"groups": module.groups})
     if isinstance(module, eqx.nn.BatchNorm):
-        fields = {"scale": ("weight", axes("features")), "offset": ("bias", axes("features"))}
-        return "batch_norm", {**fields, "mean": (None, axes("features")), "var": (None, axes("features"))}, {}, {}, {}
+        return declare("batch_norm", **norm, mean=_IN_STATE, var=_IN_STATE)
+    gates = ("gate", "hidden")
     if isinstance(module, eqx.nn.LSTMCell):
-        gates = {"gate": ("i", "f", "g", "o")}
-        fields = {
-            "input_kernel": ("weight_ih", axes(("gate", "hidden"), "in")),
-            "hidden_kernel": ("weight_hh", axes(("gate", "hidden"), "recurrent")),
-            "bias": ("bias", axes(("gate", "hidden"))),
-        }
-        return "lstm", fields, {}, gates, {}
+        return declare(
+            "lstm", members={"gate": ("i", "f", "g", "o")},
+            input_kernel=at("weight_ih", gates, "in"), hidden_kernel=at("weight_hh", gates, "recurrent"),
+            bias=at("bias", gates),
+        )
     if isinstance(module, eqx.nn.GRUCell):
-        fields = {
-            "input_kernel": ("weight_ih", axes(("gate", "hidden"), "in")),
-            "hidden_kernel": ("weight_hh", axes(("gate", "hidden"), "recurrent")),
-            "bias": ("bias", axes(("gate", "hidden"))),
-            "recurrent_bias": ("bias_n", axes("hidden")),
-        }
-        return "gru", fields, {}, {"gate": ("r", "z", "n")}, {}
-    raise refuse(path, f"no known parameter layout for {type(module).__name__}")
+        return declare(
+            "gru", members={"gate": ("r", "z", "n")},
+            input_kernel=at("weight_ih", gates, "in"), hidden_kernel=at("weight_hh", gates, "recurrent"),
+            bias=at("bias", gates), recurrent_bias=at("bias_n", "hidden"),
+        )
+    return None
+
+
+def _own_arrays(module: Any) -> dict[str, Any]:
+    """The arrays a module holds in its own fields (through lists and dicts), by dotted
+    place; its submodules are layers of their own."""
+    return {".".join(key): leaf for key, leaf in children(module) if is_inexact(leaf)}
+
+
+def _equinox_spec(module: Any, parent: Any, field: str | None, path: str, declarations: Declarations) -> Declared:
+    """The layout of an Equinox layer: the user's declaration, else Equinox's, else as
+    stored."""
+    declared = declarations.find(module, path) or _built_in(module, parent, field)
+    if declared is not None:
+        return declared
+    name = type(module).__name__
+    if any(isinstance(leaf, eqx.nn.StateIndex) for _, leaf in children(module)):
+        raise refuse(path, f"no known parameter layout for {name}, which keeps values in an eqx.nn.State")
+    own = _own_arrays(module)
+    if not own:
+        raise refuse(path, f"no known parameter layout for {name}, which holds no arrays")
+    return as_stored(own)
+
+
+def _at_place(module: Any, place: str) -> Any:
+    node = module
+    for name in place.split("."):
+        if isinstance(node, (list, tuple)):
+            node = node[int(name)]
+        elif isinstance(node, dict):
+            node = next(value for key, value in node.items() if str(key) == name)
+        else:
+            node = getattr(node, name)
+    return node
 
 
 def _transpose_facts(module: eqx.nn.ConvTranspose) -> dict:
@@ -298,7 +342,8 @@ def _holds_arrays_below(node: eqx.Module) -> bool:
 
 
 def equinox_layout(
-    module: Any, path: str, parent: Any = None, field: str | None = None, state: Any = None
+    module: Any, path: str, parent: Any = None, field: str | None = None, state: Any = None,
+    declarations: Declarations = NO_DECLARATIONS,
 ) -> Layout | Container:
     """The parameters of an Equinox layer in named axes (`_engine/_layouts.py`); a
     container (no arrays of its own, e.g. `MultiheadAttention`, `Sequential`) lists its
@@ -310,6 +355,7 @@ def equinox_layout(
         it sits in (an attention projection is read as one).
     - `path`: its path, for errors.
     - `state`: the `eqx.nn.State` holding BatchNorm statistics, if any.
+    - `declarations`: the user's layouts, read before Equinox's.
     """
     if not _holds_arrays(module) and _holds_arrays_below(module):
         return Container(_parts(module))
@@ -318,18 +364,20 @@ def equinox_layout(
         raise refuse_reparametrised(
             path, f"its {parent.weight_name} is reparametrised by the {type(parent).__name__} holding it"
         )
-    kind, fields, sizes, orders, facts = _equinox_fields(module, parent, field, path)
-    # A subclass of eqx.nn.Linear may add arrays of its own (a LoRA update, a gate).
-    held = {
+    declared = _equinox_spec(module, parent, field, path, declarations)
+    # A subclass of eqx.nn.Linear may add arrays of its own (a LoRA update, a gate); a
+    # layer read as stored holds its own arrays, its submodules being layers of their own.
+    held = set(_own_arrays(module)) if declared.kind == AS_STORED else {
         key[0] for key, leaf in children(module)
         if eqx.is_inexact_array(leaf) or (
             isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx.nn.StateIndex)
             and any(eqx.is_inexact_array(x) for x in jax.tree.leaves(leaf))
         )
     }
-    refuse_unread(path, kind, type(module).__name__, held, {attr for attr, _ in fields.values() if attr is not None})
-    params = {name: Param(None if attr is None else getattr(module, attr), ax) for name, (attr, ax) in fields.items()}
-    if kind == "batch_norm":
+    refuse_unread(path, declared.kind, type(module).__name__, held, declared.places())
+    layout = declared.read(lambda places: _at_place(module, places[0]))
+    params = layout.params
+    if layout.kind == "batch_norm":
         if state is None:
             raise refuse(
                 path,
@@ -338,20 +386,22 @@ def equinox_layout(
             )
         mean, var = _batch_norm_stats(module, state)
         params["mean"], params["var"] = Param(mean, params["mean"].axes), Param(var, params["var"].axes)
-    return Layout(kind, params, sizes, orders, facts)
+    return layout
 
 
 def equinox_write(
-    module: Any, path: str, values: dict[str, Any], parent: Any = None, field: str | None = None, state: Any = None
+    module: Any, path: str, values: dict[str, Any], parent: Any = None, field: str | None = None, state: Any = None,
+    declarations: Declarations = NO_DECLARATIONS,
 ) -> tuple[Any, Any]:
     """`(module, state)` with `values` (from `_layouts.fit`) in the layer's fields and,
     for BatchNorm, its statistics in `state`."""
-    _, fields, _, _, _ = _equinox_fields(module, parent, field, path)
-    present = [(fields[name][0], value) for name, value in values.items() if fields[name][0] is not None]
+    declared = _equinox_spec(module, parent, field, path, declarations)
+    present = [(declared.params[name].where, value) for name, value in values.items()]
+    present = [(where[0], value) for where, value in present if where]
     if "mean" in values:
         state = _with_batch_norm_stats(module, state, values["mean"], values["var"])
     if present:
         # Equinox keeps no metadata beside an array: it goes where the one it replaces is.
-        placed = [put_like(path, v, getattr(module, f)) for f, v in present]
-        module = eqx.tree_at(lambda m: [getattr(m, f) for f, _ in present], module, placed)
+        placed = [put_like(path, v, _at_place(module, f)) for f, v in present]
+        module = eqx.tree_at(lambda m: [_at_place(m, f) for f, _ in present], module, placed)
     return module, state

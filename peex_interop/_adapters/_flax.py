@@ -1,15 +1,17 @@
 """What both Flax APIs share, linen's and NNX's adapters alike: the parameter layout
 of their `ConvTranspose` (one module, one implementation in Flax)."""
 
+import dataclasses
 from typing import Any
 
-from .._engine._layouts import Param, axes, lax_transpose_padding
+from .._engine._declarations import Declared, at, declare
+from .._engine._layouts import lax_transpose_padding
 
 
-def flax_transpose_spec(layer: Any, dims: int) -> tuple[dict, dict, dict]:
-    """({name: axes or Param template}, orders, facts) of an NNX or linen `ConvTranspose`: its kernel is run
-    unflipped over the input dilated by the stride, or with `transpose_kernel=True`
-    stored (*window, out, in) and spatially flipped."""
+def flax_transpose_spec(layer: Any, dims: int) -> Declared:
+    """The layout of an NNX or linen `ConvTranspose`: its kernel is run unflipped over
+    the input dilated by the stride, or with `transpose_kernel=True` stored (*window,
+    out, in) and spatially flipped."""
     window = tuple(f"window{i}" for i in range(dims))
     ones = (1,) * dims
 
@@ -26,7 +28,7 @@ def flax_transpose_spec(layer: Any, dims: int) -> tuple[dict, dict, dict]:
         padding = lax_transpose_padding(kernel_size, strides, dilation, padding)
     facts = {"groups": 1, "stride": strides, "dilation": dilation, "padding": padding}
     if layer.transpose_kernel:
-        kernel = Param(None, axes(*window, "out", "in"), flipped=window)
+        kernel = dataclasses.replace(at("kernel", *window, "out", "in"), flipped=window)
     else:
-        kernel = Param(None, axes(*window, "in", "out"))
-    return {"kernel": kernel, "bias": axes("out")}, {}, facts
+        kernel = at("kernel", *window, "in", "out")
+    return declare("conv_transpose", kernel=kernel, bias=at("bias", "out"), facts=facts)

@@ -39,9 +39,10 @@ from jaxtyping import PyTree
 
 from .._engine import _context, _patching
 from .._engine._bindings import bindings
+from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored, at, declare
 from .._engine._errors import HookError
 from .._engine._kinds import KINDS
-from .._engine._layouts import Container, Layout, Param, axes, refuse
+from .._engine._layouts import Container, Layout, is_abstract, refuse
 from .._engine._paths import AbstractConverted
 
 Path = tuple[str, ...]
@@ -197,24 +198,29 @@ class FunctionModule(AbstractConverted):
         """The kind (`px.KINDS`) given to the layer's function."""
         return dict(self.kinds).get(type(layer).function, "other")
 
-    def read_layer(self, local: Path, modules: dict | None = None) -> Layout | Container:
+    def read_layer(
+        self, local: Path, modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> Layout | Container:
         """The parameters of the subtree at `local` in named axes
         (`_engine/_layouts.py`), read with the `x @ w` convention: kernels are
         `(in, out)` / `(*window, in, out)`. `modules` (local path -> the
         `FunctionLayer` seen during a call) tells the layer's kind."""
-        return _function_layout(self, local, modules or {})
+        return _function_layout(self, local, modules or {}, declarations)
 
     def detached(self, module: FunctionLayer) -> FunctionLayer:
         """The layer without the params it received: its type tells its function."""
         return type(module)(None)
 
-    def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "FunctionModule":
+    def write_layer(
+        self, local: Path, values: dict[str, Any], modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
+    ) -> "FunctionModule":
         """A copy with `values` (from `_layouts.fit`) in the subtree at `local`: new
         containers along the way, the user's params are never mutated."""
-        spec = _function_spec(self, local, modules or {})[1]
+        declared = _function_spec(self, local, modules or {}, declarations)
         params = self.params
         for name, value in values.items():
-            params = _replaced(params, (*local, spec[name][0]), value)
+            params = _replaced(params, (*local, declared.params[name].where[0]), value)
         return eqx.tree_at(lambda m: m.params, self, params)
 
 
@@ -403,15 +409,22 @@ def _node(tree: Any, path: Path) -> Any:
 def _own(tree: Any) -> dict[str, Any]:
     if not isinstance(tree, Mapping):
         return {}
-    return {str(name): value for name, value in tree.items() if eqx.is_array(value)}
+    return {str(name): value for name, value in tree.items() if eqx.is_array(value) or is_abstract(value)}
 
 
 def _one_of(own: dict[str, Any], names: Sequence[str]) -> str | None:
     return next((name for name in names if name in own), None)
 
 
-def _function_spec(model: FunctionModule, local: Path, modules: dict) -> tuple[str, dict[str, tuple[str, Any]]]:
-    """(kind, {canonical name: (native name, axes)}) of the subtree at `local`."""
+def _function_spec(model: FunctionModule, local: Path, modules: dict, declarations: Declarations) -> Declared:
+    """The layout of the subtree at `local`: the user's declaration, else the layer
+    functions' conventions, else as stored."""
+    layer = modules.get(local)
+    own = _own(_node(model.params, local))
+    return declarations.find(layer, ".".join(local)) or _built_in(model, local, modules) or as_stored(own)
+
+
+def _built_in(model: FunctionModule, local: Path, modules: dict) -> Declared | None:
     path = ".".join(local)
     own = _own(_node(model.params, local))
     layer, parent = modules.get(local), modules.get(local[:-1]) if local else None
@@ -424,34 +437,36 @@ def _function_spec(model: FunctionModule, local: Path, modules: dict) -> tuple[s
             model.layer_kind(parent) == "attention" if parent is not None
             else isinstance(siblings, Mapping) and {str(k) for k in siblings} >= _ATTENTION
         )
-        heads = axes(("heads", "head_dim"))[0]
+        heads = ("heads", "head_dim")
         if attention and local[-1] in _ATTENTION_INPUTS:
-            return "attention_in", {"kernel": (kernel, axes("in", heads)), "bias": (bias or "bias", axes(heads))}
+            return declare("attention_in", kernel=at(kernel, "in", heads), bias=at(bias or "bias", heads))
         if attention and local[-1] == "out_proj":
-            return "attention_out", {"kernel": (kernel, axes(heads, "out")), "bias": (bias or "bias", axes("out"))}
+            return declare("attention_out", kernel=at(kernel, heads, "out"), bias=at(bias or "bias", "out"))
         if kind == "linear" or (kind is None and ndim == 2):
-            return "linear", {"kernel": (kernel, axes("in", "out")), "bias": (bias or "bias", axes("out"))}
+            return declare("linear", kernel=at(kernel, "in", "out"), bias=at(bias or "bias", "out"))
         if kind == "conv" and "transpose" in getattr(getattr(layer, "function", None), "__name__", ""):
             # zephyr's conv_transpose_* share the conv kind; their kernels are not mapped.
             raise refuse(path, "a conv-transpose function's kernel layout is not mapped")
         if kind == "conv":
             window = tuple(f"window{i}" for i in range(ndim - 2))
-            return "conv", {"kernel": (kernel, axes(*window, "in", "out")), "bias": (bias or "bias", axes("out"))}
+            return declare("conv", kernel=at(kernel, *window, "in", "out"), bias=at(bias or "bias", "out"))
         raise refuse(
             path, f"a kernel of {ndim} axes: a conv or stacked linear layers, which one is known from a call "
             "(pass inputs=)"
         )
     embedding = _one_of(own, _EMBEDDINGS)
     if embedding is not None:
-        return "embedding", {"embedding": (embedding, axes("vocab", "features"))}
+        return declare("embedding", embedding=at(embedding, "vocab", "features"))
     if own and set(own) <= {"scale", "offset"}:
         some = next(iter(own.values()))
-        feature = axes(*[()] * (some.ndim - 1), "features")
-        return "norm", {"scale": ("scale", feature), "offset": ("offset", feature)}
-    raise refuse(path, f"no known parameter layout for parameters {sorted(own)}")
+        feature = (*[()] * (some.ndim - 1), "features")
+        return declare("norm", scale=at("scale", *feature), offset=at("offset", *feature))
+    return None
 
 
-def _function_layout(model: FunctionModule, local: Path, modules: dict) -> Layout | Container:
+def _function_layout(
+    model: FunctionModule, local: Path, modules: dict, declarations: Declarations
+) -> Layout | Container:
     path = ".".join(local)
     node = _node(model.params, local)
     if node is None:
@@ -460,8 +475,8 @@ def _function_layout(model: FunctionModule, local: Path, modules: dict) -> Layou
         parts = tuple(".".join(p) for p, n in _nodes(node) if p and _own(n))
         if parts:
             return Container(parts)
-    kind, spec = _function_spec(model, local, modules)
-    return Layout(kind, {name: Param(node.get(native), ax) for name, (native, ax) in spec.items()})
+    declared = _function_spec(model, local, modules, declarations)
+    return declared.read(lambda places: _own(node).get(places[0]))
 
 
 def _replaced(tree: Any, path: Path, value: Any) -> Any:

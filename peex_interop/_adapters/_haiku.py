@@ -22,9 +22,20 @@ from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_s
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._engine import _context, _jax, _methods, _shape_pass
+from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
-from .._engine._layouts import Container, Layout, Param, axes, is_abstract, lax_transpose_padding, put_like, refuse
+from .._engine._layouts import (
+    AS_STORED,
+    Container,
+    Layout,
+    Param,
+    axes,
+    is_abstract,
+    lax_transpose_padding,
+    put_like,
+    refuse,
+)
 from .._engine._paths import AbstractConverted
 from ._replace import replace
 
@@ -254,11 +265,14 @@ class HaikuFunction(_AbstractHaiku):
             "on its params, or convert the model with px.from_haiku"
         )
 
-    def read_layer(self, local: tuple[str, ...], modules: dict | None = None) -> Layout:
+    def read_layer(
+        self, local: tuple[str, ...], modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> Layout:
         raise TypeError(_NO_PARAMS.format("read"))
 
     def write_layer(
-        self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None
+        self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
     ) -> "HaikuFunction":
         raise TypeError(_NO_PARAMS.format("write"))
 
@@ -343,16 +357,21 @@ class HaikuModule(_AbstractHaiku):
     def parameter_counts(self) -> tuple[int, int]:
         return _size(self.params), _size(self.state)
 
-    def read_layer(self, local: tuple[str, ...], modules: dict | None = None) -> Layout | Container:
+    def read_layer(
+        self, local: tuple[str, ...], modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> Layout | Container:
         """The parameters (and BatchNorm statistics) of the Haiku module at `local` in
         named axes (`_engine/_layouts.py`); `modules` (local path -> the `hk.Module`
         seen during a call) tells what params alone do not, e.g. an `hk.LSTM`."""
-        return _haiku_layout(self.params, self.state or {}, local, modules or {})
+        return _haiku_layout(self.params, self.state or {}, local, modules or {}, declarations)
 
-    def write_layer(self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None) -> "HaikuModule":
+    def write_layer(
+        self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
+    ) -> "HaikuModule":
         """A copy with `values` (from `_layouts.fit`) in the module at `local`: new dicts
         all the way down, the user's params and state are never mutated."""
-        params, state = _haiku_write(self.params, self.state or {}, local, modules or {}, values)
+        params, state = _haiku_write(self.params, self.state or {}, local, modules or {}, values, declarations)
         new = eqx.tree_at(lambda m: m.params, self, params)
         return new.with_state(state) if self.state is not None else new
 
@@ -528,18 +547,26 @@ def _haiku_cache(state: dict, local: tuple[str, ...]) -> Layout | None:
     return Layout("decode_cache", held)
 
 
-def _haiku_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
+def _haiku_layout(
+    params: dict, state: dict, local: tuple[str, ...], modules: dict, declarations: Declarations
+) -> Layout | Container:
     cache = _haiku_cache(state, local)
     below = any(_params_path(key)[: len(local)] == local for key in params)
     if cache is not None and not below:
         return Container((), cache)  # a module with state only (a position embedding)
-    layout = _params_layout(params, state, local, modules)
+    layout = _params_layout(params, state, local, modules, declarations)
     return layout if cache is None else dataclasses.replace(layout, state=cache)
 
 
-def _params_layout(params: dict, state: dict, local: tuple[str, ...], modules: dict) -> Layout | Container:
+def _params_layout(
+    params: dict, state: dict, local: tuple[str, ...], modules: dict, declarations: Declarations
+) -> Layout | Container:
     path = ".".join(local)
     module = modules.get(local)
+    declared = _declared(params, local, modules, declarations)
+    if declared is not None:
+        own = params[_param_key(params, local)]
+        return declared.read(lambda places: own.get(places[0]))
     if isinstance(module, hk.LSTM):
         return _lstm(params, local)
     if isinstance(module, (hk.GRU, hk.VanillaRNN)):
@@ -597,7 +624,15 @@ def _params_layout(params: dict, state: dict, local: tuple[str, ...], modules: d
             "hk.GRU has no exact counterpart: it applies the reset gate before the recurrent matmul, Equinox's and "
             "NNX's cells after",
         )
-    raise refuse(path, f"no known parameter layout for Haiku parameters {sorted(names)}")
+    return as_stored(values).read(lambda places: values[places[0]])
+
+
+def _declared(params: dict, local: tuple[str, ...], modules: dict, declarations: Declarations) -> Declared | None:
+    """The user's declaration for the module at `local` (by path; by class too where a
+    call told it), which holds parameters of its own."""
+    if _param_key(params, local) is None:
+        return None
+    return declarations.find(modules.get(local), ".".join(local))
 
 
 _NATIVE = {"kernel": "w", "bias": "b", "embedding": "embeddings", "scale": "scale", "offset": "offset"}
@@ -609,7 +644,9 @@ def _into(path: str, old: dict, new: dict) -> dict:
     return {**old, **{name: put_like(path, value, old.get(name)) for name, value in new.items()}}
 
 
-def _haiku_write(params: dict, state: dict, local: tuple[str, ...], modules: dict, values: dict) -> tuple[dict, dict]:
+def _haiku_write(
+    params: dict, state: dict, local: tuple[str, ...], modules: dict, values: dict, declarations: Declarations
+) -> tuple[dict, dict]:
     path = ".".join(local)
     if isinstance(modules.get(local), hk.LSTM):
         key = _lstm_key(params, local)
@@ -635,5 +672,11 @@ def _haiku_write(params: dict, state: dict, local: tuple[str, ...], modules: dic
                 # An abstract destination has no count of updates: a fresh one's is 0.
                 new["counter"] = jnp.zeros(state[ema]["counter"].shape, state[ema]["counter"].dtype)
             new_state[ema] = _into(path, state[ema], new)
-    native = {_NATIVE[name]: value for name, value in values.items() if name in _NATIVE}
+    declared = _declared(params, local, modules, declarations)
+    if declared is not None:
+        native = {declared.params[name].where[0]: value for name, value in values.items()}
+    elif _params_layout(params, state, local, modules, declarations).kind == AS_STORED:
+        native = values  # read as stored, by Haiku's own names
+    else:
+        native = {_NATIVE[name]: value for name, value in values.items() if name in _NATIVE}
     return {**params, key: _into(path, params[key], native)}, new_state

@@ -32,6 +32,7 @@ from flax.linen.spmd import logical_to_mesh_sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown
+from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored, at, declare
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
@@ -236,16 +237,20 @@ class LinenModule(AbstractConverted):
         """The library-independent kind (`px.KINDS`) of a linen module."""
         return kind_of(module, LINEN_KINDS)
 
-    def read_layer(self, local: Path, modules: dict | None = None) -> Layout | Container:
+    def read_layer(
+        self, local: Path, modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> Layout | Container:
         """The parameters (and BatchNorm statistics) of the submodule at `local` in
         named axes (`_engine/_layouts.py`); `modules` (local path -> the linen module
         seen during a call) tells what the variables alone do not (a module's class)."""
-        return self.read_layers([local], modules)[local]
+        return self.read_layers([local], modules, declarations)[local]
 
-    def read_layers(self, locals_: list[Path], modules: dict | None = None) -> dict[Path, Layout | Container]:
+    def read_layers(
+        self, locals_: list[Path], modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> dict[Path, Layout | Container]:
         """`read_layer` of several submodules, the variables unboxed once."""
         unboxed = _unboxed(self.variables)
-        return {local: _linen_layout(unboxed, local, modules or {}) for local in locals_}
+        return {local: _linen_layout(unboxed, local, modules or {}, declarations) for local in locals_}
 
     def detached(self, module: nn.Module) -> "nn.Module | _Mapped":
         """An unbound copy of a bound linen module (its submodule attributes too): its
@@ -253,23 +258,30 @@ class LinenModule(AbstractConverted):
         runs inside an `nn.map_variables`, only that (`_Mapped`): it is not transferred."""
         return _Mapped(_mapping_in_thread.items[-1]) if _mapping_in_thread.items else module.copy(parent=None)
 
-    def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "LinenModule":
+    def write_layer(
+        self, local: Path, values: dict[str, Any], modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
+    ) -> "LinenModule":
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`: new
         dicts along the way, the user's variables are never mutated; a variable in a
         metadata box (`nn.Partitioned`) stays in a box with the same metadata."""
-        return self.write_layers({local: values}, modules)
+        return self.write_layers({local: values}, modules, declarations)
 
-    def write_layers(self, values: dict[Path, dict[str, Any]], modules: dict | None = None) -> "LinenModule":
+    def write_layers(
+        self, values: dict[Path, dict[str, Any]], modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
+    ) -> "LinenModule":
         """`write_layer` of several submodules (local path -> values), the variables
         unboxed once."""
         unboxed = _unboxed(self.variables)
         variables = self.variables
         for local, layer_values in values.items():
-            spec = _cache_spec(unboxed, local, modules or {})
-            if set(layer_values) - set(spec):
-                spec = {**spec, **_linen_spec(unboxed, local, modules or {})[1]}
+            places = {name: locations for name, (locations, _) in _cache_spec(unboxed, local, modules or {}).items()}
+            if set(layer_values) - set(places):
+                declared = _linen_spec(unboxed, local, modules or {}, declarations)
+                places.update({name: tuple(map(_location, p.where)) for name, p in declared.params.items()})
             for name, value in layer_values.items():
-                locations = spec[name][0]
+                locations = places[name]
                 parts = [value] if len(locations) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(locations))]
                 for (collection, relative), part in zip(locations, parts):
                     where = (collection, *local, *relative)
@@ -313,20 +325,24 @@ def _own(tree: Any) -> dict[str, Any]:
     return {name: value for name, value in tree.items() if not isinstance(value, Mapping)}
 
 
-def _single(names: dict[str, tuple[str, str, Any]]) -> Spec:
-    # name -> (collection, native name, axes), for parameters held in one variable.
-    return {name: (((collection, (native,)),), ax) for name, (collection, native, ax) in names.items()}
+def _location(where: str) -> Location:
+    """A place of a linen layout (`StoredParam.where`): a variable of the `params`
+    collection, `/` between nested names (`"ii/kernel"`), another collection's as
+    `"batch_stats:mean"`."""
+    collection, _, name = where.rpartition(":")
+    return collection or "params", tuple(name.split("/"))
 
 
-def _lstm_spec() -> Spec:
-    def gates(side: str, name: str) -> tuple[Location, ...]:
-        return tuple(("params", (f"{side}{gate}", name)) for gate in _LSTM_GATES)
+def _lstm_spec() -> Declared:
+    def gates(side: str, name: str) -> tuple[str, ...]:
+        return tuple(f"{side}{gate}/{name}" for gate in _LSTM_GATES)
 
-    return {
-        "input_kernel": (gates("i", "kernel"), axes("in", "gate", "hidden")),
-        "hidden_kernel": (gates("h", "kernel"), axes("recurrent", "gate", "hidden")),
-        "bias": (gates("h", "bias"), axes("gate", "hidden")),
-    }
+    return declare(
+        "lstm", members={"gate": _LSTM_GATES},
+        input_kernel=at(gates("i", "kernel"), "in", "gate", "hidden"),
+        hidden_kernel=at(gates("h", "kernel"), "recurrent", "gate", "hidden"),
+        bias=at(gates("h", "bias"), "gate", "hidden"),
+    )
 
 
 def _is_attention(variables: Mapping[str, Any], local: Path, parent: Any, kernel: Any) -> bool:
@@ -337,24 +353,18 @@ def _is_attention(variables: Mapping[str, Any], local: Path, parent: Any, kernel
     return {*_ATTENTION_INPUTS, "out"} <= set(siblings) and kernel.ndim == 3
 
 
-def _kernel_spec(variables: Mapping[str, Any], local: Path, module: Any, parent: Any) -> tuple[str, Spec, dict]:
+def _kernel_spec(variables: Mapping[str, Any], local: Path, module: Any, parent: Any) -> Declared | None:
     path = ".".join(local)
     own = _own(_node(variables["params"], local))
     kernel, bias = own["kernel"], own.get("bias")
     if _is_attention(variables, local, parent, kernel) and local[-1] in _ATTENTION_INPUTS:
-        return "attention_in", _single({
-            "kernel": ("params", "kernel", axes("in", "heads", "head_dim")),
-            "bias": ("params", "bias", axes("heads", "head_dim")),
-        }), {}
+        return declare(
+            "attention_in", kernel=at("kernel", "in", "heads", "head_dim"), bias=at("bias", "heads", "head_dim")
+        )
     if _is_attention(variables, local, parent, kernel) and local[-1] == "out":
-        return "attention_out", _single({
-            "kernel": ("params", "kernel", axes("heads", "head_dim", "out")),
-            "bias": ("params", "bias", axes("out")),
-        }), {}
+        return declare("attention_out", kernel=at("kernel", "heads", "head_dim", "out"), bias=at("bias", "out"))
     if isinstance(module, nn.Dense) or (module is None and kernel.ndim == 2):
-        return "linear", _single({
-            "kernel": ("params", "kernel", axes("in", "out")), "bias": ("params", "bias", axes("out")),
-        }), {}
+        return declare("linear", kernel=at("kernel", "in", "out"), bias=at("bias", "out"))
     if isinstance(module, nn.Conv) or (module is None and (bias is None or bias.ndim == 1)):
         if isinstance(module, nn.Conv):
             # An int kernel_size is a 1-D convolution's window.
@@ -362,54 +372,57 @@ def _kernel_spec(variables: Mapping[str, Any], local: Path, module: Any, parent:
             facts = {"groups": module.feature_group_count}
         else:
             window, facts = kernel.ndim - 2, {}
-        return "conv", _single({
-            "kernel": ("params", "kernel", axes(*(f"window{i}" for i in range(window)), "in", "out")),
-            "bias": ("params", "bias", axes("out")),
-        }), facts
+        window_axes = (f"window{i}" for i in range(window))
+        return declare("conv", kernel=at("kernel", *window_axes, "in", "out"), bias=at("bias", "out"), facts=facts)
     if module is None and bias is not None:  # no bias or a 1-D one was read as a conv above
         raise refuse(
             path, f"a kernel {tuple(kernel.shape)} with a bias {tuple(bias.shape)} is a stacked "
             "Dense or a DenseGeneral: which one is known from a call (pass inputs=)"
         )
-    raise refuse(
-        path,
-        f"no known parameter layout for {type(module).__name__} (a DenseGeneral with several input or feature "
-        "axes has no counterpart)",
-    )
+    # A DenseGeneral with several input or feature axes: read as stored.
+    return None
 
 
-def _linen_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> tuple[str, Spec, dict, dict]:
-    """(kind, spec, orders, facts) of the linen layer at `local`."""
+def _linen_spec(
+    variables: Mapping[str, Any], local: Path, modules: dict, declarations: Declarations
+) -> Declared:
+    """The layout of the linen layer at `local`: the user's declaration, else linen's,
+    else as stored."""
+    path = ".".join(local)
+    module = modules.get(local)
+    declared = declarations.find(module, path) or _built_in(variables, local, modules)
+    return declared or as_stored(_own(_node(variables.get("params", {}), local)))
+
+
+def _built_in(variables: Mapping[str, Any], local: Path, modules: dict) -> Declared | None:
     path = ".".join(local)
     module, parent = modules.get(local), modules.get(local[:-1]) if local else None
     params = _node(variables.get("params", {}), local)
     own = _own(params)
     children = {name for name in params if name not in own} if isinstance(params, Mapping) else set()
     if isinstance(module, nn.LSTMCell) or (module is None and not own and children == _LSTM_NAMES):
-        return "lstm", _lstm_spec(), {"gate": _LSTM_GATES}, {}
+        return _lstm_spec()
     if isinstance(module, nn.GRUCell) or (module is None and not own and children == _GRU_NAMES):
         raise refuse(path, "GRU cells are not transferred (no other library's adapter reads them yet)")
     if isinstance(module, nn.ConvTranspose):
         kernel_size = (module.kernel_size,) if isinstance(module.kernel_size, int) else module.kernel_size
-        declared, orders, facts = flax_transpose_spec(module, len(kernel_size))
-        return "conv_transpose", _single({name: ("params", name, ax) for name, ax in declared.items()}), orders, facts
+        return flax_transpose_spec(module, len(kernel_size))
     if module is None and "ConvTranspose" in path:
         raise refuse(path, "a conv-transpose layer's stride and padding are known from a call (pass inputs=)")
     if "kernel" in own:
-        kind, spec, facts = _kernel_spec(variables, local, module, parent)
-        return kind, spec, {}, facts
+        return _kernel_spec(variables, local, module, parent)
     if set(own) == {"embedding"}:
-        return "embedding", _single({"embedding": ("params", "embedding", axes("vocab", "features"))}), {}, {}
+        return declare("embedding", embedding=at("embedding", "vocab", "features"))
     if own and set(own) <= {"scale", "bias"}:
-        norm = _single({"scale": ("params", "scale", axes("features")), "offset": ("params", "bias", axes("features"))})
+        norm = {"scale": at("scale", "features"), "offset": at("bias", "features")}
         stats = _node(variables.get("batch_stats", {}), local)
         if isinstance(module, nn.BatchNorm) or (module is None and {"mean", "var"} <= set(_own(stats))):
-            return "batch_norm", {**norm, **_single({
-                "mean": ("batch_stats", "mean", axes("features")), "var": ("batch_stats", "var", axes("features")),
-            })}, {}, {}
+            return declare(
+                "batch_norm", **norm, mean=at("batch_stats:mean", "features"), var=at("batch_stats:var", "features")
+            )
         facts = {"groups": module.num_groups} if isinstance(module, nn.GroupNorm) else {}
-        return "norm", norm, {}, facts
-    raise refuse(path, f"no known parameter layout for linen variables {sorted(own)}")
+        return declare("norm", **norm, facts=facts)
+    return None
 
 
 def _cache_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> Spec:
@@ -442,16 +455,21 @@ def _cache_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> Spe
 def _values(variables: Mapping[str, Any], local: Path, spec: Spec) -> dict[str, Any]:
     values = {}
     for name, (locations, ax) in spec.items():
-        found = [_node(variables.get(collection, {}), (*local, *relative)) for collection, relative in locations]
-        if any(value is None for value in found):
-            values[name] = placed(None, ax)
-        else:
-            # Several variables (one per gate) form one parameter along a gate axis.
-            values[name] = placed(found[0] if len(found) == 1 else jnp.stack(found, axis=-2), ax)
+        values[name] = placed(_value(variables, local, locations), ax)
     return values
 
 
-def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> Layout | Container:
+def _value(variables: Mapping[str, Any], local: Path, locations: tuple[Location, ...]) -> Any:
+    found = [_node(variables.get(collection, {}), (*local, *relative)) for collection, relative in locations]
+    if any(value is None for value in found):
+        return None
+    # Several variables (one per gate) form one parameter along a gate axis.
+    return found[0] if len(found) == 1 else jnp.stack(found, axis=-2)
+
+
+def _linen_layout(
+    variables: Mapping[str, Any], local: Path, modules: dict, declarations: Declarations
+) -> Layout | Container:
     path = ".".join(local)
     params = _node(variables.get("params", {}), local)
     cache = _cache_spec(variables, local, modules)
@@ -482,12 +500,11 @@ def _linen_layout(variables: Mapping[str, Any], local: Path, modules: dict) -> L
             f"its parameters are reparametrised by the module at {wrapper or 'the root'!r} (an nn.WeightNorm or "
             "nn.SpectralNorm, which keeps their scales or spectral norms)",
         )
-    kind, spec, orders, facts = _linen_spec(variables, local, modules)
+    declared = _linen_spec(variables, local, modules, declarations)
     # A LoRA wrapper sharing its Dense's scope (`nn.share_scope`) adds its own parameters.
-    read = {relative[0] for locations, _ in spec.values() for collection, relative in locations
-            if collection == "params"}
-    refuse_unread(path, kind, "linen scope holding them", set(_own(params)), read)
-    return Layout(kind, _values(variables, local, spec), {}, orders, facts, state)
+    read = {relative[0] for collection, relative in map(_location, declared.places()) if collection == "params"}
+    refuse_unread(path, declared.kind, "linen scope holding them", set(_own(params)), read)
+    return declared.read(lambda places: _value(variables, local, tuple(map(_location, places))), state)
 
 
 @dataclasses.dataclass(frozen=True)

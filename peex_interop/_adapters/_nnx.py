@@ -37,9 +37,11 @@ from flax.nnx.spmd import get_var_pspec
 from jaxtyping import PyTree
 
 from .._engine import _context, _methods, _patching, _routes, _sown
+from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored, at, declare
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
+    AS_STORED,
     Container,
     Layout,
     axes,
@@ -156,16 +158,20 @@ class NnxModule(AbstractConverted):
         """The library-independent kind (`px.KINDS`) of an NNX submodule."""
         return kind_of(module, NNX_KINDS)
 
-    def read_layer(self, local: Path, modules: dict | None = None) -> Layout | Container:
+    def read_layer(
+        self, local: Path, modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> Layout | Container:
         """The parameters (and BatchNorm statistics) of the submodule at `local`, in
         named axes (`_engine/_layouts.py`). NNX modules exist outside calls: `modules`
         adds nothing."""
-        return self.read_layers([local])[local]
+        return self.read_layers([local], None, declarations)[local]
 
-    def read_layers(self, locals_: list[Path], modules: dict | None = None) -> dict[Path, Layout | Container]:
+    def read_layers(
+        self, locals_: list[Path], modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> dict[Path, Layout | Container]:
         """`read_layer` of several submodules, from one merged module."""
         found = dict(_paths(self._merged()))
-        return {local: _nnx_layout(found, local) for local in locals_}
+        return {local: _nnx_layout(found, local, declarations) for local in locals_}
 
     # NNX modules exist outside calls: their classes and settings are in the graph.
     layouts_need_calls = False
@@ -175,17 +181,23 @@ class NnxModule(AbstractConverted):
         during a call holds that call's arrays."""
         return None
 
-    def write_layer(self, local: Path, values: dict[str, Any], modules: dict | None = None) -> "NnxModule":
+    def write_layer(
+        self, local: Path, values: dict[str, Any], modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
+    ) -> "NnxModule":
         """A copy with `values` (from `_layouts.fit`) in the submodule at `local`."""
-        return self.write_layers({local: values})
+        return self.write_layers({local: values}, None, declarations)
 
-    def write_layers(self, values: dict[Path, dict[str, Any]], modules: dict | None = None) -> "NnxModule":
+    def write_layers(
+        self, values: dict[Path, dict[str, Any]], modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
+    ) -> "NnxModule":
         """`write_layer` of several submodules (local path -> values), into one merged
         module split once: merging and splitting walk the whole graph."""
         module = self._merged()
         found = dict(_paths(module))
         for local, layer_values in values.items():
-            _nnx_write(found, local, layer_values)
+            _nnx_write(found, local, layer_values, declarations)
         return self._updated(module)
 
     def carried(self, returned: Any) -> tuple[Any, "NnxModule"]:
@@ -506,8 +518,9 @@ def _routing(owner: NnxModule, root: nnx.Module) -> Iterator[None]:
 # kernels; a norm's shift is called `bias`; BatchNorm statistics are `BatchStat`s on
 # the module; an `LSTMCell` holds one `Linear` per gate and side (input projections
 # without bias), a `GRUCell` one per side with gates (r, z, n) and no recurrent bias.
-# A spec maps a parameter to the attributes it is stacked from (one attribute: the
-# value itself) and its named axes.
+# Each layer's layout is a `Declared` (`_engine/_declarations.py`), as a user's own:
+# each parameter is read from the attributes it is stacked from (one attribute: the
+# value itself).
 
 _ATTENTION_INPUTS = ("query", "key", "value")
 _LSTM_GATES = ("i", "f", "g", "o")
@@ -518,52 +531,72 @@ def _lstm_attributes(side: str, name: str) -> tuple[str, ...]:
     return tuple(f"{side}{gate}{'_' if side == 'i' and gate == 'f' else ''}.{name}" for gate in "ifgo")
 
 
-def _nnx_spec(layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str) -> tuple[str, dict, dict, dict]:
-    """(kind, {name: (attributes, axes)}, orders, facts) of an NNX layer."""
+def _built_in(layer: nnx.Module, parent: nnx.Module | None, attr: str) -> Declared | None:
+    """The layout of one of NNX's own layers, `None` for another."""
     if isinstance(layer, nnx.LinearGeneral) and isinstance(parent, nnx.MultiHeadAttention):
         if attr in _ATTENTION_INPUTS:
-            kernel = (("kernel",), axes("in", "heads", "head_dim"))
-            return "attention_in", {"kernel": kernel, "bias": (("bias",), axes("heads", "head_dim"))}, {}, {}
+            return declare(
+                "attention_in", kernel=at("kernel", "in", "heads", "head_dim"), bias=at("bias", "heads", "head_dim")
+            )
         if attr == "out":
-            kernel = (("kernel",), axes("heads", "head_dim", "out"))
-            return "attention_out", {"kernel": kernel, "bias": (("bias",), axes("out"))}, {}, {}
+            return declare("attention_out", kernel=at("kernel", "heads", "head_dim", "out"), bias=at("bias", "out"))
     if isinstance(layer, nnx.Linear) or (
         isinstance(layer, nnx.LinearGeneral) and len(layer.in_features) == len(layer.out_features) == 1
     ):
-        return "linear", {"kernel": (("kernel",), axes("in", "out")), "bias": (("bias",), axes("out"))}, {}, {}
+        return declare("linear", kernel=at("kernel", "in", "out"), bias=at("bias", "out"))
     if type(layer) is nnx.Conv:
         window = tuple(f"window{i}" for i in range(len(layer.kernel_size)))
-        spec = {"kernel": (("kernel",), axes(*window, "in", "out")), "bias": (("bias",), axes("out"))}
-        return "conv", spec, {}, {"groups": layer.feature_group_count}
+        return declare(
+            "conv", kernel=at("kernel", *window, "in", "out"), bias=at("bias", "out"),
+            facts={"groups": layer.feature_group_count},
+        )
     if isinstance(layer, nnx.ConvTranspose):
-        declared, orders, facts = flax_transpose_spec(layer, len(layer.kernel_size))
-        return "conv_transpose", {name: ((name,), ax) for name, ax in declared.items()}, orders, facts
+        return flax_transpose_spec(layer, len(layer.kernel_size))
     if isinstance(layer, nnx.Embed):
-        return "embedding", {"embedding": (("embedding",), axes("vocab", "features"))}, {}, {}
-    norm = {"scale": (("scale",), axes("features")), "offset": (("bias",), axes("features"))}
+        return declare("embedding", embedding=at("embedding", "vocab", "features"))
+    norm = {"scale": at("scale", "features"), "offset": at("bias", "features")}
     if isinstance(layer, (nnx.LayerNorm, nnx.RMSNorm)):
-        return "norm", norm, {}, {}
+        return declare("norm", **norm)
     if isinstance(layer, nnx.GroupNorm):
-        return "norm", norm, {}, {"groups": layer.num_groups}
+        return declare("norm", **norm, facts={"groups": layer.num_groups})
     if isinstance(layer, nnx.BatchNorm):
-        stats = {"mean": (("mean",), axes("features")), "var": (("var",), axes("features"))}
-        return "batch_norm", {**norm, **stats}, {}, {}
+        return declare("batch_norm", **norm, mean=at("mean", "features"), var=at("var", "features"))
     if isinstance(layer, nnx.LSTMCell):
-        spec = {
-            "input_kernel": (_lstm_attributes("i", "kernel"), axes("in", "gate", "hidden")),
-            "hidden_kernel": (_lstm_attributes("h", "kernel"), axes("recurrent", "gate", "hidden")),
-            "bias": (_lstm_attributes("h", "bias"), axes("gate", "hidden")),
-        }
-        return "lstm", spec, {"gate": _LSTM_GATES}, {}
+        return declare(
+            "lstm", members={"gate": _LSTM_GATES},
+            input_kernel=at(_lstm_attributes("i", "kernel"), "in", "gate", "hidden"),
+            hidden_kernel=at(_lstm_attributes("h", "kernel"), "recurrent", "gate", "hidden"),
+            bias=at(_lstm_attributes("h", "bias"), "gate", "hidden"),
+        )
     if isinstance(layer, nnx.GRUCell):
-        gates = axes(("gate", "hidden"))[0]
-        spec = {
-            "input_kernel": (("dense_i.kernel",), axes("in", gates)),
-            "hidden_kernel": (("dense_h.kernel",), axes("recurrent", gates)),
-            "bias": (("dense_i.bias",), axes(gates)),
-        }
-        return "gru", spec, {"gate": ("r", "z", "n")}, {}
-    raise refuse(path, f"no known parameter layout for {type(layer).__name__}")
+        gates = ("gate", "hidden")
+        return declare(
+            "gru", members={"gate": ("r", "z", "n")},
+            input_kernel=at("dense_i.kernel", "in", gates),
+            hidden_kernel=at("dense_h.kernel", "recurrent", gates),
+            bias=at("dense_i.bias", gates),
+        )
+    return None
+
+
+def _own_arrays(layer: nnx.Module, cache: dict) -> dict[str, Any]:
+    """The arrays the layer holds in Variables of its own (not its submodules'), less
+    its decode cache and RNG state, which no port carries."""
+    return {
+        name: value.get_value() for name, value in vars(layer).items()
+        if isinstance(value, nnx.Variable) and not isinstance(value, nnx.RngState) and name not in cache
+        and hasattr(value.get_value(), "shape")
+    }
+
+
+def _nnx_spec(
+    layer: nnx.Module, parent: nnx.Module | None, attr: str, path: str, declarations: Declarations
+) -> Declared:
+    """The layout of an NNX layer: the user's declaration, else NNX's, else as stored."""
+    return (
+        declarations.find(layer, path) or _built_in(layer, parent, attr)
+        or as_stored(_own_arrays(layer, _cache_spec(layer, path)))
+    )
 
 
 def _variable(layer: nnx.Module, dotted: str) -> Any:
@@ -611,15 +644,14 @@ def _cache_spec(layer: nnx.Module, path: str) -> dict:
     return spec
 
 
-def _nnx_layout(modules: dict[Path, nnx.Module], local: Path) -> Layout | Container:
+def _nnx_layout(modules: dict[Path, nnx.Module], local: Path, declarations: Declarations) -> Layout | Container:
     path = ".".join(local)
     layer, parent = _find(modules, local)
     cache = _cache_spec(layer, path)
     state = None
     if cache:
         state = Layout("decode_cache", {name: placed(_value(layer, a), ax) for name, (a, ax) in cache.items()})
-    own = [name for name, value in vars(layer).items() if isinstance(value, nnx.Variable) and name not in cache]
-    if not own and not isinstance(layer, (nnx.LSTMCell, nnx.GRUCell)):
+    if not _own_arrays(layer, cache) and not isinstance(layer, (nnx.LSTMCell, nnx.GRUCell)):
         parts = [".".join(p) for p, m in _paths(layer) if p and any(isinstance(v, nnx.Param) for v in vars(m).values())]
         if parts or state is not None:
             return Container(tuple(parts), state)
@@ -627,16 +659,16 @@ def _nnx_layout(modules: dict[Path, nnx.Module], local: Path) -> Layout | Contai
         # Scaled to unit norm, or divided by its spectral norm.
         wrapper = type(parent).__name__
         raise refuse_reparametrised(path, f"its parameters are reparametrised by the {wrapper} holding it")
-    kind, spec, orders, facts = _nnx_spec(layer, parent, local[-1] if local else "", path)
-    # An nnx.LoRALinear is a Linear whose `lora` adds to its output.
-    read = {attribute for attributes, _ in spec.values() for attribute in attributes}
+    declared = _nnx_spec(layer, parent, local[-1] if local else "", path, declarations)
+    # An nnx.LoRALinear is a Linear whose `lora` adds to its output; a layer read as
+    # stored holds its own arrays, its submodules being layers of their own.
+    below = _paths(layer) if declared.kind != AS_STORED else [((), layer)]
     held = {
-        ".".join((*p, name)) for p, module in _paths(layer) for name, value in vars(module).items()
+        ".".join((*p, name)) for p, module in below for name, value in vars(module).items()
         if isinstance(value, nnx.Param)
     }
-    refuse_unread(path, kind, type(layer).__name__, held, read)
-    params = {name: placed(_value(layer, attributes), ax) for name, (attributes, ax) in spec.items()}
-    return Layout(kind, params, {}, orders, facts, state)
+    refuse_unread(path, declared.kind, type(layer).__name__, held, declared.places())
+    return declared.read(lambda attributes: _value(layer, attributes), state)
 
 
 def _declared_sharding(variable: nnx.Variable) -> Any:
@@ -655,16 +687,19 @@ def _declared_sharding(variable: nnx.Variable) -> Any:
     return None if mesh is None or spec is None else jax.sharding.NamedSharding(mesh, spec)
 
 
-def _nnx_write(modules: dict[Path, nnx.Module], local: Path, values: dict[str, Any]) -> None:
+def _nnx_write(
+    modules: dict[Path, nnx.Module], local: Path, values: dict[str, Any], declarations: Declarations
+) -> None:
     # Values go into the existing Variables: their type and metadata (sharding names,
     # rules, mesh) stay, and an abstract one becomes concrete.
     path = ".".join(local)
     layer, parent = _find(modules, local)
-    spec = _cache_spec(layer, path)
-    if set(values) - set(spec):
-        spec = {**spec, **_nnx_spec(layer, parent, local[-1] if local else "", path)[1]}
+    places = {name: attributes for name, (attributes, _) in _cache_spec(layer, path).items()}
+    if set(values) - set(places):
+        declared = _nnx_spec(layer, parent, local[-1] if local else "", path, declarations)
+        places.update({name: param.where for name, param in declared.params.items()})
     for name, value in values.items():
-        attributes = spec[name][0]
+        attributes = places[name]
         parts = [value] if len(attributes) == 1 else [jnp.take(value, i, axis=-2) for i in range(len(attributes))]
         for attribute, part in zip(attributes, parts):
             variable = _variable(layer, attribute)

@@ -28,6 +28,7 @@ import dataclasses
 import math
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ import jax.numpy as jnp
 from ._errors import HookError
 
 Axes = tuple[tuple[str, ...], ...]
+
+# The kind of a layer of no known layout, read as stored (`_declarations.as_stored`).
+AS_STORED = "as stored"
 
 # What each kind of layout holds (the atoms of every parameter); documented per library
 # in docs/migrating.md.
@@ -92,6 +96,9 @@ class Param:
     # Atoms stored in reverse order: flax's `ConvTranspose(transpose_kernel=True)` keeps
     # its kernel spatially flipped, `("window0", "window1")`.
     flipped: tuple[str, ...] = ()
+    # A constant the library adds to the whole stored value when it uses it (Gemma's
+    # RMSNorm computes with `1 + scale`).
+    offset: float = 0.0
 
 
 def placed(value: Any, declared: "Axes | Param") -> Param:
@@ -235,13 +242,17 @@ def convert(path: str, name: str, source: Layout, target: Layout) -> Any:
     value = jnp.reshape(src.value, src_stack + tuple(merged[a] for a in _atoms(src.axes)))
     value = _flipped(value, src, len(src_stack))
     value = _shifted(value, src, len(src_stack), source.orders, +1)
+    if src.offset != dst.offset:
+        value = value + (src.offset - dst.offset)
     value = _reorder(path, name, value, _atoms(src.axes), len(src_stack), source.orders, target.orders)
     order = [_atoms(src.axes).index(atom) for atom in _atoms(dst.axes)]
     value = jnp.transpose(value, (*range(len(src_stack)), *(len(src_stack) + i for i in order)))
     value = _shifted(value, dst, len(dst_stack), target.orders, -1)
     value = _flipped(value, dst, len(dst_stack))
-    value = jnp.reshape(value, dst.value.shape)
-    return value.astype(dst.value.dtype)
+    value = jnp.reshape(value, dst.value.shape).astype(dst.value.dtype)
+    # Never the source's own buffer: a destination trained with donated buffers
+    # (`donate_argnums`) would delete the source's arrays.
+    return jnp.array(value, copy=True) if value is src.value else value
 
 
 def _reorder(path: str, name: str, value: Any, atoms: list[str], lead: int, src_orders: dict, dst_orders: dict) -> Any:
@@ -302,24 +313,34 @@ def _check_declared(layout: Layout) -> None:
     # An adapter's layout must use its kind's names and atoms (`window` stands for the
     # spatial atoms `window0`, `window1`, ...): a slip in a declaration is a bug here,
     # not a silently different layout.
-    declared = LAYOUT_KINDS[layout.kind]
+    # A kind of the user's own, or a layer read as stored, has no table to follow.
+    declared = LAYOUT_KINDS.get(layout.kind)
+    if declared is None:
+        return
     for name, param in layout.params.items():
-        atoms = ["window" if atom.startswith("window") else atom for atom in _atoms(param.axes)]
-        if sorted(set(atoms)) != sorted(declared[name]):
+        atoms = {"window" if atom.startswith("window") else atom for atom in _atoms(param.axes)}
+        # Atoms with named members beyond the kind's: a fused layer's, split along them.
+        if sorted(atoms - (set(layout.orders) - set(declared[name]))) != sorted(declared[name]):
             raise AssertionError(f"{layout.kind} {name} declared with axes {_render(param.axes)}, not {declared[name]}")
 
 
-def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
-    """`{name: value}` for every parameter of `target`, converted from `source`. A
-    parameter the destination has and the source lacks becomes zeros when that is the
-    same layer (a missing bias is a zero bias); the other way round is an error."""
+def fit(path: str, source: Layout, target: Layout, source_path: str | None = None) -> dict[str, Any]:
+    """`{name: value}` for every parameter of `target` (the destination layer at
+    `path`), converted from `source` (the source's layer at `source_path`). A parameter
+    the destination has and the source lacks becomes zeros when that is the same layer
+    (a missing bias is a zero bias); the other way round is an error."""
     _check_declared(source)
     _check_declared(target)
+    source_name = "the source" if source_path is None else f"the source {source_path!r}"
+    mismatch = f"{source_name} is {_described(source)}, the destination {_described(target)}"
     if source.kind != target.kind:
-        raise refuse(path, f"the source is a {source.kind} layer, the destination a {target.kind} layer")
+        raise refuse(path, mismatch)
     for fact in sorted(set(source.facts) & set(target.facts)):
         if source.facts[fact] != target.facts[fact]:
             raise refuse(path, f"{fact} is {source.facts[fact]} in the source, {target.facts[fact]} in the destination")
+    if AS_STORED in (source.kind, target.kind) and _held(source) != _held(target):
+        # Arrays of no known meaning: the same names and shapes, or refused.
+        raise refuse(path, mismatch)
     values = {}
     for name in sorted(set(source.params) | set(target.params)):
         src, dst = source.params.get(name), target.params.get(name)
@@ -332,6 +353,20 @@ def fit(path: str, source: Layout, target: Layout) -> dict[str, Any]:
         else:
             values[name] = _zero(path, name, dst, target)
     return values
+
+
+def _held(layout: Layout) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.value.shape) for name, p in layout.params.items() if p.value is not None}
+
+
+def _described(layout: Layout) -> str:
+    if layout.kind != AS_STORED:
+        return f"a {layout.kind} layer"
+    held = ", ".join(f"{name} {shape}" for name, shape in _held(layout).items())
+    return (
+        f"a layer of no known parameter layout, holding {held} (declare the axes of its class with "
+        "layouts={Class: px.declare(...)})"
+    )
 
 
 def fit_state(path: str, source: Layout | None, target: Layout | None) -> dict[str, Any]:
@@ -375,6 +410,11 @@ def is_abstract(x: Any) -> bool:
     """Whether `x` stands for an array without holding one (an abstract destination's
     leaf: what `jax.eval_shape` returns)."""
     return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def is_inexact(x: Any) -> bool:
+    """Whether `x` is a floating-point (or complex) array, or an abstract one."""
+    return (eqx.is_inexact_array(x) if not is_abstract(x) else jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def context_mesh() -> jax.sharding.Mesh | None:
@@ -433,3 +473,63 @@ def _concrete(path: str, sharding: Any) -> Any:
             "`with jax.set_mesh(mesh):` with the mesh the destination was built for",
         )
     return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+# -- one layer for several: members of a named axis ------------------------------------
+
+
+def member_axis(path: str, layout: Layout, count: int, side: str) -> str:
+    """The atom along which the fused layer at `path` (on `side`) holds `count` layers
+    of the other model: the one atom with `count` named members (`Layout.orders`),
+    an axis of its own in every parameter the layer holds."""
+    candidates = [atom for atom, members in layout.orders.items() if len(members) == count]
+    if len(candidates) != 1:
+        declared = {atom: members for atom, members in layout.orders.items()} or "none"
+        raise refuse(
+            path,
+            f"the mapping makes the {side} layer one for {count} layers of the other model, which needs one axis "
+            f"with {count} named members to split it along (px.declare(..., members={{'kv': ('k', 'v')}})); its "
+            f"axes with members: {declared}",
+        )
+    atom = candidates[0]
+    for name, param in layout.params.items():
+        if param.value is not None and (atom,) not in param.axes:
+            raise refuse(
+                path,
+                f"{name} {_render(param.axes)} has no axis {atom!r} of its own: it cannot be split into "
+                f"{count} layers along it",
+            )
+    return atom
+
+
+def _position(param: Param, atom: str) -> int:
+    return param.value.ndim - len(param.axes) + param.axes.index((atom,))
+
+
+def member_of(layout: Layout, atom: str, index: int) -> Layout:
+    """The layout of member `index` of `atom`: every parameter taken at it along that
+    axis, which it no longer has (abstract values keep their shapes only)."""
+
+    def taken(param: Param) -> Param:
+        if param.value is None:
+            return param
+        position = _position(param, atom)
+        if is_abstract(param.value):
+            shape = param.value.shape[:position] + param.value.shape[position + 1 :]
+            value = jax.ShapeDtypeStruct(shape, param.value.dtype)
+        else:
+            value = jnp.take(param.value, index, axis=position)
+        kept = tuple(entry for entry in param.axes if entry != (atom,))
+        return dataclasses.replace(param, value=value, axes=kept)
+
+    orders = {a: members for a, members in layout.orders.items() if a != atom}
+    return dataclasses.replace(layout, params={n: taken(p) for n, p in layout.params.items()}, orders=orders)
+
+
+def merged_members(layout: Layout, atom: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """`fit`'s values of the members of `atom` (one dict per member, in member order)
+    stacked along that axis of `layout`'s parameters."""
+    return {
+        name: jnp.stack([part[name] for part in parts], axis=_position(layout.params[name], atom))
+        for name in parts[0]
+    }

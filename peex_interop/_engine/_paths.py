@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from ._declarations import NO_DECLARATIONS, Declarations
 from ._errors import HookError
 
 
@@ -80,38 +81,52 @@ class AbstractConverted(eqx.Module):
         """The library-independent kind (`px.KINDS`) of one of the library's modules."""
 
     @abc.abstractmethod
-    def read_layer(self, local: tuple[str, ...], modules: dict | None = None) -> Any:
+    def read_layer(
+        self, local: tuple[str, ...], modules: dict | None = None, declarations: Declarations = NO_DECLARATIONS
+    ) -> Any:
         """The parameters of the layer at `local` as a `_layouts.Layout` (named axes),
         or a `_layouts.Container` for a layer without parameters of its own. `modules`
         (local path -> the library's module, as seen during a call) is given where the
-        caller ran the model: what the stored parameters alone do not tell."""
+        caller ran the model: what the stored parameters alone do not tell.
+        `declarations` (`_declarations.Declarations`) are the user's layouts, read before
+        the library's; a layer of neither is read as stored."""
 
     @abc.abstractmethod
     def write_layer(
-        self, local: tuple[str, ...], values: dict[str, Any], modules: dict | None = None
+        self,
+        local: tuple[str, ...],
+        values: dict[str, Any],
+        modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
     ) -> "AbstractConverted":
         """A copy with the layer at `local` holding `values`: `_layouts.fit`'s output,
-        already in this layer's own axes."""
+        already in this layer's own axes (placed as `read_layer` read them)."""
 
     # Whether `read_layer` learns from a call what the stored parameters do not tell
     # (`modules`, `detached`): where it does not, a transfer does not run the model.
     layouts_need_calls: ClassVar[bool] = True
 
     def read_layers(
-        self, locals_: list[tuple[str, ...]], modules: dict | None = None
+        self,
+        locals_: list[tuple[str, ...]],
+        modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
     ) -> dict[tuple[str, ...], Any]:
         """`read_layer` of several layers: an adapter that rebuilds its library's model
         to read a layer reads them all from one."""
-        return {local: self.read_layer(local, modules) for local in locals_}
+        return {local: self.read_layer(local, modules, declarations) for local in locals_}
 
     def write_layers(
-        self, values: dict[tuple[str, ...], dict[str, Any]], modules: dict | None = None
+        self,
+        values: dict[tuple[str, ...], dict[str, Any]],
+        modules: dict | None = None,
+        declarations: Declarations = NO_DECLARATIONS,
     ) -> "AbstractConverted":
         """`write_layer` of several layers (local path -> values): an adapter that
         rebuilds its library's model to write a layer writes them all into one."""
         model = self
         for local, layer_values in values.items():
-            model = model.write_layer(local, layer_values, modules)
+            model = model.write_layer(local, layer_values, modules, declarations)
         return model
 
     def carried(self, returned: Any) -> tuple[Any, "AbstractConverted"]:

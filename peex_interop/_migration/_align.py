@@ -16,11 +16,16 @@ import numpy as np
 from .._diagnostics._sites import SiteRow, find_sites
 from .._diagnostics._summary import summary
 from .._diagnostics._table import AbstractTabular, Table
+from .._engine._declarations import NO_DECLARATIONS, Declarations
 from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
-from .._engine._paths import AbstractConverted
+from .._engine._kinds import INNER_KINDS, METHOD, PERTURBATION, SOWN
+from .._engine._layouts import Container
+from .._engine._paths import AbstractConverted, module_paths
+from .._engine._selection import glob_to_regex
 from .._hooks._backward import BackwardHook
 from .._hooks._forward import ForwardHook
 from .._hooks._logs import IdentityLog
+from ._sides import Side
 
 _REPEAT = re.compile(r"@\d+\Z")
 
@@ -28,8 +33,15 @@ DEFAULT_KINDS = ("linear", "conv", "attention", "norm", "embedding", "recurrent"
 
 
 def _layers(keys: Any) -> list[str]:
-    """The layers behind log keys: a repeated call `path@n` is a call of `path`."""
-    return list(dict.fromkeys(_REPEAT.sub("", key) for key in keys))
+    """The layers behind log keys (or tuples of them: the layers one fused layer of the
+    other model holds): a repeated call `path@n` is a call of `path`."""
+    flat = [part for key in keys for part in ((key,) if isinstance(key, str) else key)]
+    return list(dict.fromkeys(_REPEAT.sub("", key) for key in flat))
+
+
+def _label(key: str | tuple[str, ...]) -> str:
+    """A comparison row's name for a mapping key: the layers of a tuple joined by ` + `."""
+    return key if isinstance(key, str) else " + ".join(key)
 
 
 def _first_array(value: Any) -> Any:
@@ -39,88 +51,270 @@ def _first_array(value: Any) -> Any:
 @dataclasses.dataclass(frozen=True, repr=False)
 class Alignment(AbstractTabular):
     """`mapping` (path in model a -> path in model b) and what could not be matched;
-    shows as a table (`print`, rich, notebooks)."""
+    shows as a table (`print`, rich, notebooks).
+
+    Every layer that holds parameters (or state) and was called is in one of
+    `mapping`, `unmatched`, `ambiguous` and `unknown` (of no known layout and no
+    counterpart of its class), each entry of the last three `(side, path, reason)`.
+    Method sites (`embedder.attend`) are matched too, so that `px.compare` has their
+    rows; `layer_mapping` gives the layers themselves, for `px.transfer_params`."""
 
     mapping: dict[str, str]
     unmatched: tuple[tuple[str, str, str], ...]
     ambiguous: tuple[tuple[str, str, str], ...]
     order_preserved: bool
+    unknown: tuple[tuple[str, str, str], ...] = ()
+    # The method sites among the mapping's keys and values: `<layer>.<method>`.
+    methods: frozenset[str] = frozenset()
+    # Layers holding parameters that no call reached, of the same class at the same path
+    # in both models: matched for a transfer, with no output to compare.
+    uncalled: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def layer_mapping(self) -> dict[str, str]:
+        """`mapping` with each method site replaced by its layer (a layer reached through
+        several methods once), and the `uncalled` layers: the layers whose weights
+        `px.transfer_params` copies."""
+        layers = {}
+        for a, b in self.mapping.items():
+            a, b = (_layer_of(p) if p in self.methods else p for p in (a, b))
+            if a and b:
+                layers.setdefault(a, b)
+        return {**layers, **self.uncalled}
 
     def _table(self) -> Table:
         rows = [(a, b, "matched") for a, b in self.mapping.items()]
-        for title, entries in (("unmatched", self.unmatched), ("ambiguous", self.ambiguous)):
+        for title, entries in (("unmatched", self.unmatched), ("ambiguous", self.ambiguous),
+                               ("unknown layout", self.unknown)):
             for side, path, why in entries:
                 rows.append((path, "", f"{title}: {why}") if side == "a" else ("", path, f"{title}: {why}"))
-        counts = len(self.mapping), len(self.unmatched), len(self.ambiguous)
-        caption = "{} layers matched, {} unmatched, {} ambiguous".format(*counts)
+        rows += [(a, b, "matched, not called") for a, b in self.uncalled.items()]
+        counts = len(self.mapping) + len(self.uncalled), len(self.unmatched), len(self.ambiguous), len(self.unknown)
+        caption = "{} layers matched, {} unmatched, {} ambiguous, {} of unknown layout".format(*counts)
         if not self.order_preserved:
             caption += "; matched layers are called in a different order in model b"
         return Table(("model a", "model b", ""), tuple(rows), caption)
 
 
+def _layer_of(method_site: str) -> str:
+    return method_site.rpartition(".")[0]
+
+
+def _own_counts(rows: Sequence[SiteRow]) -> dict[str, int]:
+    """Path -> the parameters (and state) a layer holds itself, not in layers below it
+    that have calls of their own."""
+    totals: dict[str, int] = {}
+    for row in rows:
+        if row.kind not in INNER_KINDS:
+            totals.setdefault(row.path, row.trainable + row.non_trainable)
+    own = dict(totals)
+    for path, total in totals.items():
+        parent = path.rpartition(".")[0]
+        while parent and parent not in totals:
+            parent = parent.rpartition(".")[0]
+        if parent and parent != path:
+            own[parent] -= total
+    return own
+
+
 def _sites(rows: Sequence[SiteRow], kinds: tuple[str, ...]) -> list[tuple[str, tuple]]:
-    """(path, signature) of every call site of these kinds, in call-return order. The
-    signature is the kind and the number of output values: it does not depend on layout
-    (channels first or last, heads split or merged) or on whether a batch is vmapped."""
-    # A layer's log holds one output per call of its enclosing vmaps/scans (`lengths`).
-    return [
-        (row.key, (row.kind, math.prod(row.lengths) * _first_array(row.output).size))
-        for row in rows if row.kind in kinds
-    ]
+    """(path, signature) of every call site to match, in call-return order: a layer of
+    `kinds` by its kind and the number of output values, which do not depend on layout
+    (channels first or last, heads split or merged) or on whether a batch is vmapped; a
+    layer of another kind holding parameters itself (a model's own `Einsum`), and a
+    method site, by its class (and method) too: they match their own kind only."""
+    own = _own_counts(rows)
+    found = []
+    for row in rows:
+        # A layer's log holds one output per call of its enclosing vmaps/scans (`lengths`).
+        size = math.prod(row.lengths) * _first_array(row.output).size
+        if row.kind in kinds:
+            found.append((row.key, (row.kind, size)))
+        elif row.kind == METHOD:
+            found.append((row.key, (row.kind, row.module_type, row.path.rpartition(".")[2], size)))
+        elif row.kind not in INNER_KINDS and row.kind not in (SOWN, PERTURBATION) and own.get(row.path, 0) > 0:
+            found.append((row.key, (row.kind, row.module_type, size)))
+    return found
 
 
-def align(model_a: Any, model_b: Any, *args: Any, kinds: tuple[str, ...] = DEFAULT_KINDS, **kwargs: Any) -> Alignment:
+def _declared(declarations: Declarations, row: SiteRow) -> bool:
+    """Whether the user's layouts name the layer (by path, or by its class's name: the
+    rows know the class by name only)."""
+    for key in declarations.table:
+        if isinstance(key, str) and glob_to_regex(key).match(row.path):
+            return True
+        if isinstance(key, type) and key.__name__ == row.module_type:
+            return True
+    return False
+
+
+def align(
+    model_a: Any,
+    model_b: Any,
+    *args: Any,
+    kinds: tuple[str, ...] = DEFAULT_KINDS,
+    layouts: Mapping[Any, Any] | None = None,
+    **kwargs: Any,
+) -> Alignment:
     """Match the layers of two implementations of the same network (any two libraries).
 
     Layers are matched by kind (`px.KINDS`) and output size, in call order: the k-th
     layer of a signature in model a with the k-th of that signature in model b. Where a
     signature occurs a different number of times in the two models, which layers
     correspond is not decidable from calls: all of them are reported as ambiguous,
-    never guessed.
+    never guessed. A layer of another kind that holds parameters (a model's own layer
+    class: an `Einsum`, an `RMSNorm`) and a method site (`embedder.attend`) match only a
+    layer of the same class (and method): two instances of one model align completely;
+    across implementations such a layer is reported, never dropped.
 
     **Arguments:**
 
     - `model_a`, `model_b`: Equinox models or converted Haiku/NNX models.
     - `*args`, `**kwargs`: one input both models accept.
-    - `kinds`: the layer kinds to match (containers and activations are not layers).
+    - `kinds`: the layer kinds to match by kind (containers and activations are not
+        layers).
+    - `layouts`: declared layouts (as for `px.transfer_params`): a layer they name is
+        of a known layout, reported as unmatched rather than of unknown layout.
 
     **Returns:**
 
-    An `Alignment`: `.mapping`, `.unmatched`, `.ambiguous` (each entry: side, path,
-    reason).
+    An `Alignment`: `.mapping`, `.unmatched`, `.ambiguous`, `.unknown` (each entry:
+    side, path, reason); its table's caption counts all four.
     """
     rows = [find_sites(model, args, kwargs, "px.align") for model in (model_a, model_b)]
-    return align_rows(rows[0], rows[1], kinds)
+    declarations = Declarations.of(layouts)
+    alignment = align_rows(rows[0], rows[1], kinds, declarations)
+    return with_uncalled(alignment, (model_a, model_b), rows, declarations)
 
 
-def align_rows(rows_a: Sequence[SiteRow], rows_b: Sequence[SiteRow], kinds: tuple[str, ...]) -> Alignment:
+def _uncalled_holders(model: Any, rows: Sequence[SiteRow], declarations: Declarations) -> dict[str, tuple]:
+    """Path -> (class name, parameters) of each layer that holds parameters and that no
+    call (of its own, or of its methods) reached on the inputs: a layer whose parent
+    reads its arrays, one of another mode (a decode-only layer)."""
+    called = {row.path for row in rows} | {_layer_of(row.path) for row in rows if row.kind == METHOD}
+    modules = module_paths(model)
+    candidates = [
+        path for path, module in modules.items()
+        if path and path not in called and not isinstance(module, AbstractConverted)
+    ]
+    if not candidates:
+        return {}
+    side = Side.make(model, None, None, declarations)
+    found = {}
+    for path in candidates:
+        try:
+            layout = side.read([path])[path]
+        except HookError:
+            continue  # no layer of parameters: an activation, a wrapper
+        if isinstance(layout, Container):
+            continue
+        held = tuple((name, tuple(p.value.shape)) for name, p in layout.params.items() if p.value is not None)
+        if held:
+            found[path] = ("layer" if modules[path] is None else type(modules[path]).__name__, held)
+    return found
+
+
+def with_uncalled(
+    alignment: Alignment, models: tuple[Any, Any], rows: Sequence[Sequence[SiteRow]], declarations: Declarations
+) -> Alignment:
+    """`alignment` completed with the layers holding parameters that no call reached:
+    matched where both models hold one of the same class and parameters at the same path
+    (two instances of one model), reported unmatched otherwise."""
+    holders = [_uncalled_holders(model, side_rows, declarations) for model, side_rows in zip(models, rows)]
+    uncalled, unmatched = {}, list(alignment.unmatched)
+    for path, held in holders[0].items():
+        if holders[1].get(path) == held:
+            uncalled[path] = path
+    for side, found in zip("ab", holders):
+        for path, (cls, params) in found.items():
+            if path not in uncalled:
+                names = ", ".join(f"{name} {shape}" for name, shape in params)
+                unmatched.append((side, path, (
+                    f"a {cls} holding {names}, not called on these inputs: map it by hand if the other model has it"
+                )))
+    return dataclasses.replace(alignment, unmatched=tuple(sorted(unmatched)), uncalled=uncalled)
+
+
+def align_rows(
+    rows_a: Sequence[SiteRow], rows_b: Sequence[SiteRow], kinds: tuple[str, ...],
+    declarations: Declarations = NO_DECLARATIONS,
+) -> Alignment:
     """`align` of two models' call sites (`px.summary(...).rows`)."""
     sites = {"a": _sites(rows_a, kinds), "b": _sites(rows_b, kinds)}
+    by_key = {"a": {row.key: row for row in rows_a}, "b": {row.key: row for row in rows_b}}
     by_signature = {
         side: collections.defaultdict(list) for side in sites
     }
     for side, entries in sites.items():
         for path, signature in entries:
             by_signature[side][signature].append(path)
-    mapping, unmatched, ambiguous = {}, [], []
+    mapping, unmatched, ambiguous, unknown = {}, [], [], []
     for signature in {*by_signature["a"], *by_signature["b"]}:
         paths_a, paths_b = by_signature["a"][signature], by_signature["b"][signature]
-        kind, size = signature
+        kind, size = signature[0], signature[-1]
+        what = f"{kind} layer" if len(signature) == 2 else f"{signature[1]} ({kind})"
+        if signature[0] == METHOD:
+            what = f"{signature[1]}.{signature[2]} method site"
         if len(paths_a) == len(paths_b):
             mapping.update(zip(paths_a, paths_b))
         elif not paths_a or not paths_b:
             side, paths = ("a", paths_a) if paths_a else ("b", paths_b)
-            unmatched += [(side, p, f"no {kind} layer with {size} output values in the other model") for p in paths]
+            for path in paths:
+                row = by_key[side][path]
+                if len(signature) == 3 and not _declared(declarations, row):
+                    held = row.trainable + row.non_trainable
+                    unknown.append((side, path, (
+                        f"a {row.module_type} holding {held} parameters, of no known layout and with no "
+                        f"{row.module_type} in the other model: declare its layout (layouts=) and map it"
+                    )))
+                else:
+                    unmatched.append((side, path, f"no {what} with {size} output values in the other model"))
         else:
-            why = f"{len(paths_a)} {kind} layers with {size} output values in model a, {len(paths_b)} in model b"
+            why = f"{len(paths_a)} {what}s with {size} output values in model a, {len(paths_b)} in model b"
             ambiguous += [("a", p, why) for p in paths_a] + [("b", p, why) for p in paths_b]
+    # A method site of a layer called itself (an LSTM cell's `initialize_carry`) is
+    # compared where the other model has it; its layer's weights are the call's.
+    called = {side: {row.path for row in rows if row.kind != METHOD} for side, rows in (("a", rows_a), ("b", rows_b))}
+    reported = lambda entry: not (  # noqa: E731
+        by_key[entry[0]][entry[1]].kind == METHOD and _layer_of(by_key[entry[0]][entry[1]].path) in called[entry[0]]
+    )
+    unmatched, ambiguous = list(filter(reported, unmatched)), list(filter(reported, ambiguous))
     order_a = [path for path, _ in sites["a"] if path in mapping]
     position_b = {path: i for i, (path, _) in enumerate(sites["b"])}
     positions = [position_b[mapping[path]] for path in order_a]
+    methods = frozenset(
+        row.key for rows in (rows_a, rows_b) for row in rows if row.kind == METHOD
+    )
     return Alignment(
         {path: mapping[path] for path in order_a},
         tuple(sorted(unmatched)), tuple(sorted(ambiguous)), positions == sorted(positions),
+        tuple(sorted(unknown)), methods,
     )
+
+
+def called_alignment(model_a: Any, model_b: Any, mapping: dict, args: tuple, kwargs: dict, caller: str) -> Alignment:
+    """An alignment of a mapping of layers (`px.transfer_params`'), whose entries name
+    what a comparison logs: a layer called only through its methods (an `Embedder`'s
+    `encode` and `decode`) by its first method site; an entry of a layer that never
+    runs on these inputs is left out (the models' outputs still show its weights)."""
+    rows = [find_sites(model, args, kwargs, caller) for model in (model_a, model_b)]
+    keys = []
+    for side_rows in rows:
+        called = {row.path: row.key for row in side_rows if row.call == 0}
+        first_method = {}
+        for row in side_rows:
+            if row.kind == METHOD and row.call == 0:
+                first_method.setdefault(_layer_of(row.path), row.key)
+        keys.append({**first_method, **called})
+    entries = {}
+    for key_a, key_b in mapping.items():
+        paths = [[key] if isinstance(key, str) else list(key) for key in (key_a, key_b)]
+        found = [[side_keys.get(_REPEAT.sub("", path)) for path in side] for side_keys, side in zip(keys, paths)]
+        if any(None in side for side in found):
+            continue
+        renamed = [side[0] if isinstance(key, str) else tuple(side) for key, side in zip((key_a, key_b), found)]
+        entries[renamed[0]] = renamed[1]
+    return Alignment(entries, (), (), True)
 
 
 def _difference(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -156,6 +350,24 @@ def _tree_difference(a: Any, b: Any) -> tuple[float, float, float]:
         excess = abs_error / (1 + float(np.max(np.abs(x), initial=0.0)))
         worst = max(worst, (abs_error, rel_error, excess), key=lambda row: row[2])
     return worst
+
+
+def _entry_difference(log_a: Any, log_b: Any, key_a: Any, key_b: Any) -> tuple[float, float, float]:
+    """`_tree_difference` of one mapping entry's logged values; an entry of several
+    layers on one side is compared with the fused layer on the other as their outputs
+    stacked along one axis (the axis, and a layout, that fits best)."""
+    if isinstance(key_a, str) and isinstance(key_b, str):
+        return _tree_difference(log_a[key_a], log_b[key_b])
+    fused, parts = (log_a[key_a], [log_b[k] for k in key_b]) if isinstance(key_a, str) else (
+        log_b[key_b], [log_a[k] for k in key_a]
+    )
+    x = np.asarray(_first_array(fused))
+    arrays = [np.asarray(_first_array(part)) for part in parts]
+    if len({a.shape for a in arrays}) != 1 or len(arrays) * arrays[0].size != x.size:
+        return math.inf, math.inf, math.inf
+    abs_error = min(_difference(x, np.stack(arrays, axis=axis))[0] for axis in range(arrays[0].ndim + 1))
+    scale = float(np.max(np.abs(x), initial=0.0))
+    return abs_error, abs_error / scale if scale else abs_error, abs_error / (1 + scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,15 +619,16 @@ def _compare_call(
     else:
         next_a, next_b = model_a, model_b
     rows = []
-    for path_a, path_b in alignment.mapping.items():
-        abs_error, rel_error, excess = _tree_difference(log_a[path_a], log_b[path_b])
+    for key_a, key_b in alignment.mapping.items():
+        abs_error, rel_error, excess = _entry_difference(log_a, log_b, key_a, key_b)
         ct_abs = ct_rel = None
         output_diverged = cotangent_diverged = excess > tolerance
         if cotangents:
-            ct_abs, ct_rel, ct_excess = _tree_difference(ct_a[path_a], ct_b[path_b])
+            ct_abs, ct_rel, ct_excess = _entry_difference(ct_a, ct_b, key_a, key_b)
             cotangent_diverged = ct_excess > tolerance
         rows.append(ComparisonRow(
-            path_a, path_b, abs_error, rel_error, ct_abs, ct_rel, bool(output_diverged or cotangent_diverged),
+            _label(key_a), _label(key_b), abs_error, rel_error, ct_abs, ct_rel,
+            bool(output_diverged or cotangent_diverged),
             cotangent_only=bool(cotangent_diverged and not output_diverged),
         ))
     if any(row.diverged and not row.cotangent_only for row in rows):

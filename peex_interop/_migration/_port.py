@@ -7,17 +7,31 @@ a tied embedding's `attend`, which is not a layer call) would otherwise go unche
 """
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
+import jax
 from jaxtyping import PyTree
 
 from .._diagnostics._sites import SiteRow, find_sites
+from .._engine._declarations import Declarations
 from .._engine._errors import HookError, PortError
 from .._engine._kinds import INNER_KINDS
 from .._engine._paths import check_model, join
-from ._align import _REPEAT, DEFAULT_KINDS, Alignment, Comparison, ComparisonRow, align_rows, compare
-from ._transfer import state_only, transfer_params
+from ._align import (
+    _REPEAT,
+    DEFAULT_KINDS,
+    Alignment,
+    Comparison,
+    ComparisonRow,
+    align_rows,
+    called_alignment,
+    compare,
+    with_uncalled,
+)
+from ._sides import state_only
+from ._transfer import MappingKey, ported_side
 
 # The comparison row of the models' outputs: not a layer path.
 OUTPUT = "(output)"
@@ -34,27 +48,62 @@ class _Whole(eqx.Module):
         return self.output(self.model(*args))
 
 
-def _inside(path: str) -> str:
-    return join("model", path)
+def _inside(key: "str | tuple[str, ...]") -> "str | tuple[str, ...]":
+    return join("model", key) if isinstance(key, str) else tuple(join("model", path) for path in key)
 
 
-def _outside(path: str) -> str:
-    if path == "output":
+def _outside(label: str) -> str:
+    # A row's label; several layers' (`a + b`) each renamed.
+    if label == "output":
         return OUTPUT
-    return "" if path == "model" else path.removeprefix("model.")
+    return " + ".join("" if path == "model" else path.removeprefix("model.") for path in label.split(" + "))
 
 
-def _unmatched_error(alignment: Alignment) -> HookError:
-    entries = [*alignment.unmatched, *alignment.ambiguous]
+def _blocking(alignment: Alignment) -> list[tuple[str, str, str]]:
+    """The entries of the alignment that leave a layer unported: every one but method
+    sites, whose layers are ported where anything maps them (`embedder` of
+    `embedder.attend`), and otherwise found unwritten by the port's own check."""
+    entries = [*alignment.unmatched, *alignment.ambiguous, *alignment.unknown]
+    return [entry for entry in entries if entry[1] not in alignment.methods]
+
+
+def _unmatched_error(alignment: Alignment, entries: list[tuple[str, str, str]]) -> HookError:
     side_names = {"a": "source", "b": "destination"}
     shown = "; ".join(f"{side_names[side]} {path!r}: {why}" for side, path, why in entries[:6])
     more = f" and {len(entries) - 6} more" if len(entries) > 6 else ""
     return HookError(
-        f"px.port: px.align matches {len(alignment.mapping)} layers and leaves {len(entries)} unmatched or "
-        f"ambiguous: {shown}{more}. A layer left out would keep the destination's own weights: pass "
-        "mapping= (px.align(source, destination, *inputs).mapping, completed by hand) to say which layers "
-        "correspond."
+        f"px.port: px.align matches {len(alignment.mapping)} layers and leaves {len(entries)} unmatched, "
+        f"ambiguous or of unknown layout: {shown}{more}. A layer left out would keep the destination's own "
+        "weights: pass mapping= (px.align(source, destination, *inputs).layer_mapping, completed by hand) to "
+        "say which layers correspond, and layouts= to declare the layout of a layer class of your own."
     )
+
+
+def _without(alignment: Alignment, unchecked: Sequence[str]) -> Alignment:
+    """The alignment less the entries of the source layers `unchecked` (or of their
+    method sites)."""
+    known = {_REPEAT.sub("", key) for key in alignment.mapping if isinstance(key, str)}
+    missing = [path for path in unchecked if path not in known and not any(k.startswith(path + ".") for k in known)]
+    if missing:
+        raise HookError(f"px.port: unchecked= names {missing}, which the mapping does not map from the source")
+    unchecked_key = lambda key: isinstance(key, str) and any(  # noqa: E731
+        _REPEAT.sub("", key) == path or key.startswith(path + ".") for path in unchecked
+    )
+    kept = {a: b for a, b in alignment.mapping.items() if not unchecked_key(a)}
+    return dataclasses.replace(alignment, mapping=kept)
+
+
+def _marked(model: Any) -> Any:
+    """`model` with every floating-point array replaced by its shape, dtype and placement:
+    a port writes each of them or is refused naming those it did not."""
+
+    def mark(x: Any) -> Any:
+        if not eqx.is_inexact_array(x):
+            return x
+        committed = isinstance(x, jax.Array) and x.committed
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
+
+    return jax.tree.map(mark, model)
 
 
 def _divergence_error(first: ComparisonRow, comparison: Comparison) -> PortError:
@@ -89,9 +138,12 @@ def port(
     source: PyTree,
     destination: PyTree,
     *inputs: PyTree,
-    mapping: dict[str, str] | None = None,
+    mapping: dict[MappingKey, MappingKey] | None = None,
     cotangents: bool = False,
     tolerance: float = 1e-5,
+    layouts: Mapping[Any, Any] | None = None,
+    unchecked: Sequence[str] = (),
+    progress: bool = False,
 ) -> tuple[PyTree, Comparison]:
     """Port a model's weights into another implementation of the same network, and prove
     it: align the layers, transfer the weights exactly, compare the two models layer by
@@ -106,11 +158,14 @@ def port(
         `jax.eval_shape` of an init): it is filled with the source's values, never
         initialised. Its partitioning metadata is kept, as by `px.transfer_params`.
     - `*inputs`: example input(s) both models accept, as positional arguments.
-    - `mapping`: `{layer path in source: layer path in destination}`; by default
-        `px.align(source, destination, *inputs).mapping`, which must then match every
-        layer (a layer it leaves unmatched or ambiguous is refused, naming it), and
-        each layer of the destination holding state and no parameters (a position
-        embedding's decode index) from the source's layer at the same path.
+    - `mapping`: `{layer path in source: layer path in destination}` (one side may be a
+        tuple of the layers one fused layer holds, as for `px.transfer_params`); by
+        default `px.align(source, destination, *inputs).layer_mapping`, which must then
+        match every layer (a layer it leaves unmatched, ambiguous or of unknown layout
+        is refused, naming it), and each layer of the destination holding state and no
+        parameters (a position embedding's decode index) from the source's layer at
+        the same path. Either way every array of the destination must receive the
+        source's values: one left out is refused, naming it.
     - `cotangents`: also compare the cotangents of `0.5 * sum(output**2)` flowing back
         through every layer: a port to be trained (or differentiated) is then checked
         in its backward pass too, at about the cost of one more first-call gradient of
@@ -120,6 +175,14 @@ def port(
         zero, a relative one for large values. The default suits float32 ports that
         compute the same operations in a different order; a different epsilon of a
         norm (1e-6 in NNX, 1e-5 in Haiku and Equinox) shows at 1e-5.
+    - `layouts`: the layouts of layers of your own classes (`{class or path pattern:
+        px.declare(...)}`), as for `px.transfer_params`.
+    - `unchecked`: layers of the source ported without a comparison row of their own,
+        where two implementations split the same computation differently around the
+        same weights (Hugging Face's Gemma scales its embedding by sqrt(width) after
+        the embedding layer, tunix's `Embedder.encode` inside it): the layers after
+        them and the models' outputs still check their weights.
+    - `progress`: show a tqdm progress bar over the layers converted (needs `tqdm`).
 
     **Returns:**
 
@@ -140,19 +203,29 @@ def port(
             "px.port: no example inputs. They are what the layers are aligned and the port verified on: "
             "px.port(source, destination, x)."
         )
+    declarations = Declarations.of(layouts)
     if mapping is None:
         # The call sites of both models, found once: what px.align matches and what
         # holds state without parameters.
         rows_src, rows_dst = (find_sites(model, inputs, {}, "px.port") for model in (source, destination))
-        alignment = align_rows(rows_src, rows_dst, DEFAULT_KINDS)
-        if alignment.unmatched or alignment.ambiguous or not alignment.mapping:
-            raise _unmatched_error(alignment)
-        carried = _state_only_layers(destination, rows_src, rows_dst, alignment.mapping)
-        transferred = {**alignment.mapping, **carried}
+        alignment = with_uncalled(
+            align_rows(rows_src, rows_dst, DEFAULT_KINDS, declarations), (source, destination), (rows_src, rows_dst),
+            declarations,
+        )
+        blocking = _blocking(alignment)
+        if blocking or not alignment.mapping:
+            raise _unmatched_error(alignment, blocking)
+        carried = _state_only_layers(destination, rows_src, rows_dst, alignment.layer_mapping)
+        transferred = {**alignment.layer_mapping, **carried}
     else:
-        alignment = Alignment(dict(mapping), (), (), True)
-        transferred = alignment.mapping
-    ported = transfer_params(source, destination, transferred, inputs=inputs, verify=False)
+        transferred = mapping
+    ported = ported_side(
+        source, _marked(destination), transferred, inputs, None, None, declarations, progress, whole=True
+    ).model
+    if mapping is not None:
+        alignment = called_alignment(source, ported, mapping, inputs, {}, "px.port")
+    if unchecked:
+        alignment = _without(alignment, unchecked)
     comparison = _compare(source, ported, inputs, alignment, cotangents, tolerance)
     first = comparison.first_divergence
     if first is not None:
