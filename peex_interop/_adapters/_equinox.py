@@ -223,11 +223,11 @@ def _built_in(module: Any, parent: Any, field: str | None) -> Declared | None:
         return declare("embedding", embedding=at("weight", "vocab", "features"))
     norm = {"scale": at("weight", "features"), "offset": at("bias", "features")}
     if isinstance(module, (eqx.nn.LayerNorm, eqx.nn.RMSNorm)) and len(module.shape) == 1:
-        return declare("norm", **norm)
+        return declare("norm", scale=norm["scale"], offset=norm["offset"])
     if isinstance(module, eqx.nn.GroupNorm):
-        return declare("norm", **norm, facts={"groups": module.groups})
+        return declare("norm", scale=norm["scale"], offset=norm["offset"], facts={"groups": module.groups})
     if isinstance(module, eqx.nn.BatchNorm):
-        return declare("batch_norm", **norm, mean=_IN_STATE, var=_IN_STATE)
+        return declare("batch_norm", scale=norm["scale"], offset=norm["offset"], mean=_IN_STATE, var=_IN_STATE)
     gates = ("gate", "hidden")
     if isinstance(module, eqx.nn.LSTMCell):
         return declare(

@@ -675,7 +675,7 @@ def _haiku_write(
     declared = _declared(params, local, modules, declarations)
     if declared is not None:
         native = {declared.params[name].where[0]: value for name, value in values.items()}
-    elif _params_layout(params, state, local, modules, declarations).kind == AS_STORED:
+    elif getattr(_params_layout(params, state, local, modules, declarations), "kind", None) == AS_STORED:
         native = values  # read as stored, by Haiku's own names
     else:
         native = {_NATIVE[name]: value for name, value in values.items() if name in _NATIVE}

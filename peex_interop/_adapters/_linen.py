@@ -418,10 +418,11 @@ def _built_in(variables: Mapping[str, Any], local: Path, modules: dict) -> Decla
         stats = _node(variables.get("batch_stats", {}), local)
         if isinstance(module, nn.BatchNorm) or (module is None and {"mean", "var"} <= set(_own(stats))):
             return declare(
-                "batch_norm", **norm, mean=at("batch_stats:mean", "features"), var=at("batch_stats:var", "features")
+                "batch_norm", scale=norm["scale"], offset=norm["offset"],
+                mean=at("batch_stats:mean", "features"), var=at("batch_stats:var", "features"),
             )
         facts = {"groups": module.num_groups} if isinstance(module, nn.GroupNorm) else {}
-        return declare("norm", **norm, facts=facts)
+        return declare("norm", scale=norm["scale"], offset=norm["offset"], facts=facts)
     return None
 
 

@@ -556,11 +556,12 @@ def _built_in(layer: nnx.Module, parent: nnx.Module | None, attr: str) -> Declar
         return declare("embedding", embedding=at("embedding", "vocab", "features"))
     norm = {"scale": at("scale", "features"), "offset": at("bias", "features")}
     if isinstance(layer, (nnx.LayerNorm, nnx.RMSNorm)):
-        return declare("norm", **norm)
+        return declare("norm", scale=norm["scale"], offset=norm["offset"])
     if isinstance(layer, nnx.GroupNorm):
-        return declare("norm", **norm, facts={"groups": layer.num_groups})
+        return declare("norm", scale=norm["scale"], offset=norm["offset"], facts={"groups": layer.num_groups})
     if isinstance(layer, nnx.BatchNorm):
-        return declare("batch_norm", **norm, mean=at("mean", "features"), var=at("var", "features"))
+        stats = {"mean": at("mean", "features"), "var": at("var", "features")}
+        return declare("batch_norm", scale=norm["scale"], offset=norm["offset"], mean=stats["mean"], var=stats["var"])
     if isinstance(layer, nnx.LSTMCell):
         return declare(
             "lstm", members={"gate": _LSTM_GATES},

@@ -59,7 +59,9 @@ class Alignment(AbstractTabular):
     Method sites (`embedder.attend`) are matched too, so that `px.compare` has their
     rows; `layer_mapping` gives the layers themselves, for `px.transfer_params`."""
 
-    mapping: dict[str, str]
+    # Keys and values are paths; in a mapping given by hand, one side of an entry may be
+    # a tuple of paths (the layers one fused layer holds).
+    mapping: dict[Any, Any]
     unmatched: tuple[tuple[str, str, str], ...]
     ambiguous: tuple[tuple[str, str, str], ...]
     order_preserved: bool

@@ -216,7 +216,7 @@ def port(
         if blocking or not alignment.mapping:
             raise _unmatched_error(alignment, blocking)
         carried = _state_only_layers(destination, rows_src, rows_dst, alignment.layer_mapping)
-        transferred = {**alignment.layer_mapping, **carried}
+        transferred: dict[Any, Any] = {**alignment.layer_mapping, **carried}
     else:
         transferred = mapping
     ported = ported_side(
