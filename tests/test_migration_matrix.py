@@ -770,7 +770,7 @@ def test_a_conv_transpose_padded_differently_is_refused():
     with pytest.raises(px.HookError, match=r"layer 'layer'.*padding is \(\(1, 1\),\) in the source, \(\(1, 2\),\)"):
         px.transfer_params(equinox, valid, {"layer": "layer"})
     conv = EqxBatched(eqx.nn.Conv1d(4, 6, 2, key=jax.random.key(1)), channels_first=True)
-    with pytest.raises(px.HookError, match=r"layer 'layer'.*source is a conv_transpose layer, the destination a conv"):
+    with pytest.raises(px.HookError, match=r"layer 'layer'.*'layer' is a conv_transpose layer, the destination a conv"):
         px.transfer_params(equinox, conv, {"layer": "layer"})
 
 
