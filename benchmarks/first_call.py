@@ -1,6 +1,6 @@
 """One first call (trace + lower, XLA compile, run) of the scanned transformer, in this
-fresh process: the compile rows of `benchmarks/bench.py`, which runs it as
-`python benchmarks/first_call.py VARIANT DEPTH DIM HEADS BATCH SEQ`.
+fresh process: the compile rows of `benchmarks/bench.py`, whose `first_calls.py` runs it
+as `python benchmarks/first_call.py VARIANT DEPTH DIM HEADS BATCH SEQ`.
 
 Prints the three parts in seconds. It imports only what the call needs (no Haiku, no
 Flax), so that each process starts quickly; the persistent compilation cache is off.
