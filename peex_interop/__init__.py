@@ -114,7 +114,7 @@ else:
         return value
 
 
-# Public name -> (the adapter module that defines it, the optional library it imports).
+# Public name -> (the adapter that defines it, the optional library it imports).
 _LAZY: dict[str, tuple[str, str]] = {
     **dict.fromkeys(
         ("from_haiku", "haiku_function", "HaikuFunction", "HaikuModule"), ("._adapters._haiku", "haiku")
