@@ -29,7 +29,7 @@ from flax.linen import (
 from ..._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown
 from ._variables import Path
 
-if TYPE_CHECKING:  # `LinenModule` calls `intercepted`: its module imports this one
+if TYPE_CHECKING:  # for types only: `_module` imports this module
     from ._module import LinenModule
 
 # Linen's `dot_product_attention` (the default `attention_fn` of

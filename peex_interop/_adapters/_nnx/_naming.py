@@ -22,7 +22,7 @@ from ..._engine import _context
 from ..._engine._errors import HookError
 from ._graph import Path, as_path, variable_values
 
-if TYPE_CHECKING:  # `NnxModule` calls are routed through a `Call`: its module imports this one
+if TYPE_CHECKING:  # for types only: `_module` imports this module (through `_routing`)
     from ._module import NnxModule
 
 # The static attribute by which a module of a hooked call carries its NNX path through

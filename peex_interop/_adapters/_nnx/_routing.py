@@ -16,7 +16,7 @@ from ..._engine import _context, _methods, _patching, _routes, _sown
 from ._graph import Path, modules_by_path
 from ._naming import PATH_ATTRIBUTE, Call
 
-if TYPE_CHECKING:  # `NnxModule` calls `routing`: its module imports this one
+if TYPE_CHECKING:  # for types only: `_module` imports this module
     from ._module import NnxModule
 
 # NNX's `dot_product_attention` (the default `attention_fn` of `MultiHeadAttention`)
