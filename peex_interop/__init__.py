@@ -75,13 +75,10 @@ from ._hooks._logs import (
 from ._interventions._ablation import MeanAblation as MeanAblation, ZeroAblation as ZeroAblation
 from ._interventions._cache import cache as cache
 from ._interventions._patch import CachePatch as CachePatch, Patched as Patched, patch as patch
-from ._migration._align import (
-    Alignment as Alignment,
-    Comparison as Comparison,
-    ComparisonRow as ComparisonRow,
-    align as align,
-    compare as compare,
-)
+from ._migration._align import align as align
+from ._migration._alignment import Alignment as Alignment
+from ._migration._compare import compare as compare
+from ._migration._comparison import Comparison as Comparison, ComparisonRow as ComparisonRow
 from ._migration._port import port as port
 from ._migration._rename import rename as rename
 from ._migration._transfer import transfer_params as transfer_params
@@ -114,7 +111,7 @@ else:
         return value
 
 
-# Public name -> (the adapter module that defines it, the optional library it imports).
+# Public name -> (the adapter that defines it, the optional library it imports).
 _LAZY: dict[str, tuple[str, str]] = {
     **dict.fromkeys(
         ("from_haiku", "haiku_function", "HaikuFunction", "HaikuModule"), ("._adapters._haiku", "haiku")

@@ -82,20 +82,30 @@ def test_adapter_names_load_on_first_use(name):
     pytest.importorskip(LAZY[name][1])
     value = getattr(px, name)
     assert value.__name__ == name
-    assert value.__module__ == f"peex_interop{LAZY[name][0]}"
+    # Named by the adapter, defined in it (in one of its modules, for an adapter package).
+    adapter = f"peex_interop{LAZY[name][0]}"
+    assert value is getattr(sys.modules[adapter], name)
+    assert value.__module__ == adapter or value.__module__.startswith(f"{adapter}.")
 
 
-# Every library's adapter, and the modules its adapters share (`_flax`: both Flax APIs').
+# Every library's adapter (a module, or a package of its own), and the modules its
+# adapters share (`_flax`: both Flax APIs').
 ADAPTERS = {"_equinox", "_function", "_haiku", "_linen", "_nnx"}
 
 
 @pytest.mark.parametrize("adapter", sorted(ADAPTERS))
 def test_no_adapter_imports_another(adapter):
-    tree = ast.parse((PACKAGE / "_adapters" / f"{adapter}.py").read_text())
-    imported = {
-        node.module for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
-    }
+    adapters = PACKAGE / "_adapters"
+    package = adapters / adapter
+    files = sorted(package.rglob("*.py")) if package.is_dir() else [package.with_suffix(".py")]
+    imported = set()
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level and node.module:
+                base = file.parents[node.level - 1]
+                target = base.joinpath(*node.module.split("."))
+                if target.is_relative_to(adapters):
+                    imported.add(target.relative_to(adapters).parts[0])
     assert not imported & (ADAPTERS - {adapter}), imported & ADAPTERS
 
 
@@ -159,7 +169,13 @@ def test_every_optional_import_says_what_to_install():
     # A feature that imports an optional library when called (directly, or through a
     # package module that imports it at the top) does so inside `needs(..., library)`.
     files = sorted(PACKAGE.rglob("*.py"))
-    top = {str(f.with_suffix("")): {t for _, ts, at_top, _ in imports(f) if at_top for t in ts} for f in files}
+    # A package is imported as its `__init__.py`.
+    top = {
+        str(f.parent if f.name == "__init__.py" else f.with_suffix("")): {
+            t for _, ts, at_top, _ in imports(f) if at_top for t in ts
+        }
+        for f in files
+    }
 
     def needed(target: str, seen: frozenset = frozenset()) -> set[str]:
         if target in EXTRAS:

@@ -19,17 +19,10 @@ from .._engine._declarations import Declarations
 from .._engine._errors import HookError, PortError
 from .._engine._kinds import INNER_KINDS
 from .._engine._paths import check_model, join
-from ._align import (
-    _REPEAT,
-    DEFAULT_KINDS,
-    Alignment,
-    Comparison,
-    ComparisonRow,
-    align_rows,
-    called_alignment,
-    compare,
-    with_uncalled,
-)
+from ._align import DEFAULT_KINDS, align_rows, called_alignment, with_uncalled
+from ._alignment import REPEAT, Alignment
+from ._compare import compare
+from ._comparison import Comparison, ComparisonRow
 from ._sides import state_only
 from ._transfer import MappingKey, ported_side
 
@@ -82,12 +75,12 @@ def _unmatched_error(alignment: Alignment, entries: list[tuple[str, str, str]]) 
 def _without(alignment: Alignment, unchecked: Sequence[str]) -> Alignment:
     """The alignment less the entries of the source layers `unchecked` (or of their
     method sites)."""
-    known = {_REPEAT.sub("", key) for key in alignment.mapping if isinstance(key, str)}
+    known = {REPEAT.sub("", key) for key in alignment.mapping if isinstance(key, str)}
     missing = [path for path in unchecked if path not in known and not any(k.startswith(path + ".") for k in known)]
     if missing:
         raise HookError(f"px.port: unchecked= names {missing}, which the mapping does not map from the source")
     unchecked_key = lambda key: isinstance(key, str) and any(  # noqa: E731
-        _REPEAT.sub("", key) == path or key.startswith(path + ".") for path in unchecked
+        REPEAT.sub("", key) == path or key.startswith(path + ".") for path in unchecked
     )
     kept = {a: b for a, b in alignment.mapping.items() if not unchecked_key(a)}
     return dataclasses.replace(alignment, mapping=kept)
@@ -240,7 +233,7 @@ def _state_only_layers(
     embedding's decode index), each mapped from the source's layer at its path: they
     are of no kind `px.align` matches, and left out they would keep the destination's
     position (or, abstract, none)."""
-    covered = {_REPEAT.sub("", path) for path in mapping.values()}
+    covered = {REPEAT.sub("", path) for path in mapping.values()}
     candidates = [
         row.path for row in rows_dst
         if row.path and row.trainable == 0 and row.kind not in INNER_KINDS and row.path not in covered

@@ -37,7 +37,9 @@ from .._engine._layouts import (
 )
 from .._engine._paths import join
 from .._optional import needs
-from ._align import _REPEAT, called_alignment, compare
+from ._align import called_alignment
+from ._alignment import REPEAT
+from ._compare import compare
 from ._sides import Side, unfilled
 
 
@@ -91,8 +93,8 @@ def entries(mapping: dict[MappingKey, MappingKey]) -> list[tuple[tuple[str, ...]
     one fused layer of the other side holds)."""
     found, sources_of = [], {}
     for key, value in mapping.items():
-        paths_src = tuple(_REPEAT.sub("", p) for p in ((key,) if isinstance(key, str) else key))
-        paths_dst = tuple(_REPEAT.sub("", p) for p in ((value,) if isinstance(value, str) else value))
+        paths_src = tuple(REPEAT.sub("", p) for p in ((key,) if isinstance(key, str) else key))
+        paths_dst = tuple(REPEAT.sub("", p) for p in ((value,) if isinstance(value, str) else value))
         if not paths_src or not paths_dst or (len(paths_src) > 1 and len(paths_dst) > 1):
             raise HookError(
                 f"transfer_params: the mapping entry {key!r}: {value!r} maps {len(paths_src)} layers to "
