@@ -130,7 +130,7 @@ def port_rows(s, rounds=PORT_ROUNDS):
         return jax.jit(module.apply)(variables, tokens), jax.jit(raw_nnx)(state)
 
     def forward_one_shot():
-        # Compiled as px.compare compiles its program on CPU (`_align._run_once`).
+        # Compiled as px.compare compiles its program on CPU (`_compare._run_once`).
         options = {"xla_backend_optimization_level": 0}
         apply = jax.jit(module.apply).lower(variables, tokens).compile(options)
         return apply(variables, tokens), jax.jit(raw_nnx).lower(state).compile(options)(state)
