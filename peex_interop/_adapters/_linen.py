@@ -31,7 +31,7 @@ from flax.linen import (
 from flax.linen.spmd import logical_to_mesh_sharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown
+from .._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown, _threads
 from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored, at, declare
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
@@ -647,9 +647,9 @@ def _save_linen_state() -> Callable[[], None]:
 _shape_pass.register(_save_linen_state)
 
 # The hooked `LinenModule` calls running in this thread, innermost last.
-_intercepting = _context.ThreadStack()
+_intercepting = _threads.ThreadStack()
 # The `nn.map_variables` wrappers whose modules are running in this thread (class names).
-_mapping_in_thread = _context.ThreadStack()
+_mapping_in_thread = _threads.ThreadStack()
 
 
 @dataclasses.dataclass(eq=False)

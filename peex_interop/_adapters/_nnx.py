@@ -36,7 +36,7 @@ from flax.nnx.nn import attention as nnx_attention  # its `dot_product_attention
 from flax.nnx.spmd import get_var_pspec
 from jaxtyping import PyTree
 
-from .._engine import _context, _methods, _patching, _routes, _sown
+from .._engine import _context, _methods, _patching, _routes, _sown, _threads
 from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored, at, declare
 from .._engine._errors import HookError
 from .._engine._kinds import kind_of
@@ -438,7 +438,7 @@ class _Call:
 
 
 # The NNX calls in progress in this thread, innermost last.
-_calls = _context.ThreadStack()
+_calls = _threads.ThreadStack()
 
 
 def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) -> Any:

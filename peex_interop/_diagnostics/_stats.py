@@ -29,9 +29,11 @@ from jax import core, lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._engine._context import CallSite, ThreadStack, zeros_like
 from .._engine._patching import entry_point
 from .._engine._pooling import AbstractPooled, is_pooled, mapped_vmaps, pool_log
+from .._engine._shapes import zeros_like
+from .._engine._sites import CallSite
+from .._engine._threads import ThreadStack
 from .._hooks._logs import AbstractLog, MeanLog, plain_containers
 from ._packing import PackedLog, Packing, num_leading_axes
 

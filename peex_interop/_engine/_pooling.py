@@ -26,7 +26,7 @@ from typing import Any, Self
 import equinox as eqx
 import jax.tree_util as jtu
 
-from ._context import ThreadStack
+from ._threads import ThreadStack
 
 
 class AbstractPooled(eqx.Module):

@@ -28,9 +28,8 @@ import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 
-from . import _context, _harvest, _jax, _patching, _pooling, _shape_pass
+from . import _arrivals, _context, _harvest, _jax, _patching, _pooling, _shape_pass, _shapes, _threads, _unthreaded
 from ._errors import HookError
 
 
@@ -367,7 +366,7 @@ def threaded_map(real_map: Callable) -> Callable:
         if options.get("batch_size") is not None:
             # JAX's own scan-of-vmap plus a remainder: logs would be laid out by
             # batches, not per element; layers inside are refused.
-            with _context.refusing("jax.lax.map with batch_size"):
+            with _unthreaded.refusing("jax.lax.map with batch_size"):
                 return real_map(*map_args, **map_kwargs)
         f = options["f"]
         # JAX's own definition of map without batch_size; logs stack per element.
@@ -411,7 +410,7 @@ def _branches(fns: list, operands: tuple, select: Callable) -> Any:
             out, logs = body.enclosed(carried, inner, inner, {})
             if union is not None:
                 logs = [
-                    {key: log.get(key, zeros) for key, zeros in _context.zeros_like(u).items()}
+                    {key: log.get(key, zeros) for key, zeros in _shapes.zeros_like(u).items()}
                     for log, u in zip(logs, union)
                 ]
             return out, logs
@@ -721,7 +720,7 @@ def _no_fast_path(real_get_fastpath_data: Callable) -> Callable:
 # Marks the engine's own jit bodies, which thread their logs as outputs.
 _THREADED_BODY = "__peex_interop_threaded_body__"
 # The outer arguments of the jit calls being traced in this thread (innermost last).
-_jit_arguments = _context.ThreadStack()
+_jit_arguments = _threads.ThreadStack()
 _deferred_bodies: "weakref.WeakKeyDictionary[Any, Callable]" = weakref.WeakKeyDictionary()
 
 
@@ -810,8 +809,9 @@ def transform_patches() -> list[tuple[Any, str, Callable]]:
         (jax, "eval_shape", threaded_eval_shape),
         # `jax.shard_map` calls the module's `_shard_map` however it was reached.
         (*_jax.SHARD_MAP, threaded_shard_map),
-        (_JitWrapper, "__call__", threaded_filter_jit_call),
+        (*_jax.FILTER_JIT_CALL, threaded_filter_jit_call),
         (*_jax.JIT_INFER_PARAMS, _deferring_infer_params),
         (*_jax.JIT_FAST_PATH, _no_fast_path),
         *_harvest.primitive_patches(),
+        *_arrivals.arrival_patches(),
     ]
