@@ -18,7 +18,7 @@ from ._transforms import transform_patches
 # before (a `jax.jit` created at import, a loop body defined at module level) misses
 # the cache and retraces in Python, so its layer calls reach the call sites. A trace
 # made while hooking is reused only under the same selections, and one that ran a
-# selected layer not at all (`_transforms._deferred_body`).
+# selected layer not at all (`_jits._deferred_body`).
 _hooking_jit_key = jax.make_user_context(())
 
 

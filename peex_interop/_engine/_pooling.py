@@ -108,7 +108,7 @@ def mapped_vmaps() -> int:
 
 
 def pooled_vmap(real_vmap: Callable, threaded: Any) -> Callable:
-    """`real_vmap` for a threaded body (`_transforms._Body`) that returns `(out, logs)`,
+    """`real_vmap` for a threaded body (`_bodies.Body`) that returns `(out, logs)`,
     one log per hooking context: the vmap's `axis_name` (if any) is known to
     `mapped_axes()` while the body is traced, and the `AbstractPooled` values of forward
     logs leave pooled over the mapped axis.

@@ -48,7 +48,8 @@ def transform_name() -> str:
         return "a JAX transform"
 
 
-
+# The transforms around the code running in this thread whose layers are refused
+# (`refusing`), innermost last.
 _refused = ThreadStack()
 
 
