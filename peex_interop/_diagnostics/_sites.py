@@ -194,7 +194,7 @@ class _SiteFinder:
             lengths=site.lengths,
             stacks=tuple(level for level, _ in site.stacks),
             step_path=site.step_path,
-            hookable=context.unthreadable() is None,
+            hookable=context.scopes.unthreadable() is None,
         )
         return output
 

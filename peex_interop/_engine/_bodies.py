@@ -71,10 +71,10 @@ class Body:
         self.end = self.start
         # Where the enclosing scope's slots cannot be passed in (they are planted, see
         # `_harvest`), an unmapped body plants its own.
-        self.plants = [c.carries() or c.scopes[-1].plants for c in self.contexts]
+        self.plants = [c.scopes.plants() for c in self.contexts]
         # Applied inside a program traced by a transform the engine does not thread (a
         # while_loop body), which JAX may cache: its layers are refused.
-        self.cached = [c.unthreadable() for c in self.contexts]
+        self.cached = [c.scopes.unthreadable() for c in self.contexts]
         self.probed: list[set] = [set() for _ in self.contexts]
         self.steps: list[dict] = [{} for _ in self.contexts]
         # Whether the body ran a stack of layers (model arrays mapped in), per context.
@@ -104,7 +104,7 @@ class Body:
             out = self.fn(*args, **kwargs)
         finally:
             self.stacked = [context.scopes[-1].stacked for context in self.contexts]
-            exits = [context.exit_body() for context in self.contexts]
+            exits = [context.scopes.close() for context in self.contexts]
         # Leaves of logs that are not arrays (a name, a flag) cannot be outputs of a
         # transform: they stay here, the same for every example and step.
         split = [_split_static(log) for log, _, _ in exits]
@@ -156,11 +156,11 @@ class Body:
                 continue
             depth = len(context.scopes)  # the body's scope, once entered
             one_step = {key for key, at in steps.items() if any(d == depth for d, _ in at)}
-            if context.carries() or context.scopes[-1].plants:
+            if context.scopes.plants():
                 # Planted, one per layer, through the transforms around this one.
                 probes.append({
-                    key: _spread(context.slot(key, _one_step_of(keys[key])), length) if key in one_step
-                    else context.slot(key, keys[key])
+                    key: _spread(context.scopes.slot(key, _one_step_of(keys[key])), length) if key in one_step
+                    else context.scopes.slot(key, keys[key])
                     for key in keys
                 })
                 continue
@@ -207,7 +207,7 @@ class Body:
         ):
             context.counts = counts
             log = {key: eqx.combine(value, kept[key]) if key in kept else value for key, value in log.items()}
-            context.merge(log, slots, one_step)
+            context.scopes.merge(log, slots, one_step)
 
     def release(self) -> None:
         self.fn = self.outer = None

@@ -161,13 +161,13 @@ def refuse_if_passed_through(name: str, values: Any) -> None:
     if not contexts:
         return
     context = contexts[-1]
-    if not (context.in_foreign_trace() or context.scopes[-1].cached):
+    if not (context.scopes.in_foreign_trace() or context.scopes[-1].cached):
         return
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(values)):
         return
     where = f" (called from layer {context.frames[-1].path!r})" if context.frames else ""
     raise TransformError(
-        f"a {name}{where} runs under {context.unthreadable() or transform_name()}, which received it as an "
+        f"a {name}{where} runs under {context.scopes.unthreadable() or transform_name()}, which received it as an "
         "argument: peex_interop cannot name it or thread its logs out, so it would run "
         f"unhooked. {THREADED} Move that transform outside the hooked model, or pass the "
         "layer in by closure."

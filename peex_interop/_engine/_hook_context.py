@@ -14,16 +14,16 @@ from typing import Any, Protocol
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _harvest, _jax, _steps
+from . import _steps
 from ._errors import HookError, TransformError
 from ._kinds import MEMBERS
 from ._path_index import PathIndex
 from ._paths import AbstractConverted
-from ._scopes import Scope, check_unique
+from ._scopes import Scopes
 from ._selection import Selection
 from ._shapes import check_same_shape
 from ._sites import CallSite, Frame, InnerCall, Site, takes_site
-from ._unthreaded import THREADED, refused_here, transform_name
+from ._unthreaded import THREADED
 
 
 class Policy(Protocol):
@@ -66,7 +66,7 @@ class HookContext:
         self.needs_axis_names = getattr(policy, "needs_axis_names", False)
         self.renames = self.selection.rename
         self.discovering = discovering
-        self.scopes = [Scope({} if probes is None else probes, _jax.trace_state())]
+        self.scopes = Scopes({} if probes is None else probes, self._index_in_active, self._tag_parts)
         self.paths = PathIndex(root, self.scopes)
         self.root = self.paths.root
         # This thread's active contexts, set on entry (`_context.entered`): the position
@@ -199,7 +199,6 @@ class HookContext:
                 f"predicate: `where=lambda path, layer: path == {layer!r}`."
             )
 
-
     def apply(self, site: Site, role: str, fn: Any, value: Any) -> Any:
         """Run a user hook or log (given the call site if it takes one), attaching the
         layer path to anything it raises (KeyboardInterrupt included)."""
@@ -217,36 +216,11 @@ class HookContext:
             out = jtu.tree_map(lambda edited, kept: jnp.where(site.active, edited, kept), out, value)
         return out
 
-    def carries(self) -> bool:
-        """Whether values recorded now leave, and slots arrive, through the traced
-        program (`_harvest`) rather than this scope's dicts: the current trace is not
-        the scope's (a transform applied before hooking), or the scope is a deferred one."""
-        return self.in_foreign_trace() or self.scopes[-1].deferred
-
-    def unthreadable(self) -> str | None:
-        """The transform around the code running now that the engine can neither thread
-        nor carry values through, if any."""
-        refused = refused_here()
-        if refused is not None:
-            return refused
-        if self.in_foreign_jaxpr():
-            return transform_name()
-        return self.scopes[-1].cached
-
-    def in_foreign_jaxpr(self) -> bool:
-        """Whether code running now is traced into a program by a transform the engine
-        did not thread (a vmap the engine did not thread is no program: it may carry)."""
-        return self.in_foreign_trace() and not isinstance(_jax.current_trace(), _jax.BatchTrace)
-
-    def in_foreign_trace(self) -> bool:
-        """Whether code running now is under a transform the engine did not thread."""
-        return _jax.trace_state() != self.scopes[-1].trace_state
-
     def _check_carryable(self, path: str, one_step: bool) -> None:
         """Carried values have no traced index of the unthreaded transforms around them
         and, in a deferred scope, only a provisional call number: hooks that read the
         call site, and one-step selections, are refused there."""
-        where = self.unthreadable()
+        where = self.scopes.unthreadable()
         if where is not None:
             raise TransformError(
                 f"cannot hook layer(s) {[path]}: they run under {where}, which "
@@ -254,12 +228,12 @@ class HookContext:
                 f"with other hooks). {THREADED} Move that transform outside the hooked "
                 "model, or exclude the layer with where=."
             )
-        if not self.carries():
+        if not self.scopes.carries():
             return
         # A pattern that may name a step (`layers.0`) refuses only the calls it selects
         # as a step: as a plain path it selects whole calls, which carry.
         if self.reads_sites or one_step:
-            where = transform_name() if self.in_foreign_trace() else "a jax.jit compiled before hooking began"
+            where = self.scopes.carried_under()
             raise TransformError(
                 f"cannot run the site-aware hooks of layer {path!r} (or select one step of "
                 f"its stack): it runs under {where}, whose index and call count the engine "
@@ -267,7 +241,7 @@ class HookContext:
                 "the hooked model, or exclude the layer with where=."
             )
 
-    def _tag_parts(self, key: str, relative: bool = False) -> dict:
+    def _tag_parts(self, key: str, relative: bool) -> dict:
         base, suffix = (key[:-3], ":in") if key.endswith(":in") and key[:-3] in self.key_parts else (key, "")
         path, name, count = self.key_parts.get(base, (base.split("@")[0], base, 0))
         if not relative:
@@ -278,43 +252,12 @@ class HookContext:
         return next(i for i, c in enumerate(self.thread_contexts) if c is self)
 
     def record(self, site: Site, key: str, value: Any) -> None:
-        if value is None:
-            return
-        # A log holds its own copy of the structure (the arrays are shared): an
-        # `eqx.nn.State` logged at a call is invalidated when a later call updates it.
-        value = jtu.tree_map(lambda leaf: leaf, value)
-        if self.in_foreign_trace():
-            _harvest.sow(self._index_in_active(), self._tag_parts(key), value, transform_name())
-            return
-        check_unique(self.scopes[-1].logs, [key], "logs")
-        self.scopes[-1].logs[key] = value
+        """Record a log of `site` under `key` (`Scopes.record`)."""
+        self.scopes.record(key, value)
 
     def probe(self, site: Site, template: Any) -> Any:
         """The cotangent slot for this site (a `BackwardHook.log` entry)."""
-        if self.carries() or self.scopes[-1].plants:
-            return self.slot(site.key, template)
-        probes = self.scopes[-1].probes
-        if site.key not in probes:
-            raise HookError(
-                f"BackwardHook has no cotangent slot for layer {site.key!r}: call "
-                "`hooked = hooked.init(*args)` with inputs of the shapes you call it "
-                f"with (slots it has: {sorted(probes) or 'none'})"
-            )
-        probe = probes[site.key]
-        check_same_shape(site.key, "the BackwardHook.log entry (from .init)", template, probe)
-        check_unique(self.scopes[-1].probed, [site.key], "cotangent slots")
-        self.scopes[-1].probed.add(site.key)
-        return probe
-
-    def slot(self, key: str, template: Any) -> Any:
-        """The slot of log key `key`, shaped like `template`, planted when it cannot be
-        read from this scope's dict."""
-        if not (self.carries() or self.scopes[-1].plants):
-            return self.scopes[-1].probes[key]
-        where = transform_name() if self.in_foreign_trace() else "a jax.jit compiled before hooking began"
-        # Counted from zero inside a deferred scope: renumbered where it is taken.
-        relative = self.scopes[-1].deferred
-        return _harvest.plant(self._index_in_active(), self._tag_parts(key, relative), template, where)
+        return self.scopes.probe(site.key, template)
 
     # -- carried values arriving (`_harvest`) ------------------------------------------
     def _renumber(self, tag: Any) -> tuple[str, int]:
@@ -390,11 +333,8 @@ class HookContext:
         scope = self.scopes.pop()
         self.counts = self._outer_counts.pop()
         hooked = self.hooked_calls > self._hooked_at_entry.pop()
-        if not scope.logs:
-            return hooked
-        index = self._index_in_active()
-        for key, value in scope.logs.items():
-            _harvest.sow(index, self._tag_parts(key, relative=True), value, "a jax.jit compiled before hooking began")
+        # Sown after the counts are the enclosing scope's: a log may arrive at once.
+        self.scopes.leave_deferred(scope.logs)
         return hooked
 
     # -- transformed bodies -------------------------------------------------------------
@@ -409,44 +349,9 @@ class HookContext:
         body (`index`: its traced index) into which model arrays come mapped (one
         axis fewer inside) runs a stack of layers. `visible`: an enclosed body's
         inputs that stand for the enclosing scope's indices."""
-        parent = self.scopes[-1]
-        scope = Scope(probes, _jax.trace_state(), plants, length=length, index=index)
-        scope.cached = self.scopes[-1].cached or cached
-        scope.indices = parent.indices if visible is None else tuple(visible)
-        scope.lengths = parent.lengths
-        if length is not None:
-            scope.indices, scope.lengths = (*scope.indices, index), (*scope.lengths, length)
+        scope = self.scopes.body(probes, index, length, visible, plants, cached)
         self.paths.name(scope, outer, inner, length)
         self.scopes.append(scope)
-
-    def exit_body(self) -> tuple[dict, set, dict]:
-        """Close the innermost body's scope: its logs, the slots it attached, and the
-        one-step logs to slice out of stacks (`Scope.steps`)."""
-        scope = self.scopes.pop()
-        return scope.logs, scope.probed, scope.steps
-
-    def merge(self, logs: dict, probed: set, steps: dict | None = None) -> None:
-        """Bring what a body returned into the current scope: only if the body's
-        transform ran in this scope's trace (a threaded transform nested in one that
-        is not would otherwise leak its logs' tracers). One-step logs of the stack
-        whose body this was (stacked along the leading axis) are sliced to their step."""
-        depth = len(self.scopes)
-        for key, stack_steps in (steps or {}).items():
-            step = next((step for d, step in stack_steps if d == depth), None)
-            if step is not None and key in logs:
-                logs = {**logs, key: jtu.tree_map(lambda log, step=step: log[step], logs[key])}
-            self.scopes[-1].steps[key] = [(d, s) for d, s in stack_steps if d != depth]
-        check_unique(self.scopes[-1].probed, probed, "cotangent slots")
-        self.scopes[-1].probed |= probed
-        if self.in_foreign_trace():
-            # The body's transform ran under one the engine did not thread: the logs
-            # leave through the traced program.
-            index, where = self._index_in_active(), transform_name()
-            for key, value in logs.items():
-                _harvest.sow(index, self._tag_parts(key), value, where)
-            return
-        check_unique(self.scopes[-1].logs, logs, "logs")
-        self.scopes[-1].logs.update(logs)
 
     @property
     def logs(self) -> dict:

@@ -143,7 +143,7 @@ def deferring_infer_params(real_infer_params: Callable) -> Callable:
             return real_infer_params(fun, jit_info, args, kwargs)
         # Where the jit is called: what its body stands for, and whether it runs inside a
         # transform that can neither be threaded nor carried through (a while_loop).
-        _jit_arguments.items.append(((args, kwargs), [context.unthreadable() for context in contexts]))
+        _jit_arguments.items.append(((args, kwargs), [context.scopes.unthreadable() for context in contexts]))
         try:
             inferred = real_infer_params(_deferred_body(fun), jit_info, args, kwargs)
         finally:

@@ -13,7 +13,7 @@ calling conventions behave exactly as JAX's own. The entry points are replaced i
 closure cell behind them, so every Python reference reaches them; a jit compiled before
 hooking is traced in a deferred scope, and a vmap applied before hooking carries its
 values through the traced program (`_harvest`). What neither reaches (`while_loop`,
-dynamic `fori_loop`, ...) is refused (`HookContext.unthreadable`).
+dynamic `fori_loop`, ...) is refused (`Scopes.unthreadable`).
 
 The bodies: `_bodies.py`; the families of transforms: `_mapped.py`, `_enclosed.py`,
 `_jits.py`.

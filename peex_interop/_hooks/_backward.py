@@ -197,7 +197,7 @@ class BackwardHook(AbstractHookWrapper):
         slot = None if template is None else context.probe(site, template)
         if not flows_back:
             return value
-        if site.lengths or context.carries():
+        if site.lengths or context.scopes.carries():
             # In a vmap body, a value computed from inputs that do not vary over the
             # batch is computed once, and its cotangent would be the sum over the
             # examples; the slot is per example, so the value must be too.
