@@ -38,7 +38,6 @@ from ._diagnostics._summary import (
     summary as summary,
     total_params as total_params,
 )
-from ._engine._context import CallSite as CallSite, InnerCall as InnerCall
 from ._engine._declarations import Declared as Declared, StoredParam as StoredParam, at as at, declare as declare
 from ._engine._errors import (
     HookError as HookError,
@@ -55,6 +54,7 @@ from ._engine._selection import (
     kind as kind,
     not_ as not_,
 )
+from ._engine._sites import CallSite as CallSite, InnerCall as InnerCall
 from ._hooks._backward import BackwardHook as BackwardHook
 from ._hooks._forward import ForwardHook as ForwardHook
 from ._hooks._hooks import (

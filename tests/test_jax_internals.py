@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peex_interop._engine import _context, _harvest, _jax, _patching
+from peex_interop._engine import _harvest, _jax, _patching, _unthreaded
 from peex_interop._engine._jax import pe  # JAX's own dead-code rules, to compare with
 
 x = jnp.linspace(-1.0, 1.0, 3)
@@ -107,7 +107,7 @@ def _custom_jvp(f):
     return g
 
 
-# How each transform traces a body `f`, and what `_context.transform_name` calls it.
+# How each transform traces a body `f`, and what `_unthreaded.transform_name` calls it.
 STAGED = {
     "while_loop": (
         lambda f: lambda x: jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, f(c[1])), (0, x))[1],
@@ -135,7 +135,7 @@ def test_staging_traces_name_their_transform(transform):
     jax.make_jaxpr(stage(body))(x)
     traced_for, function = seen[0]
     # JAX's names ("while_body", "custom_vjp fun"), looked up as `transform_name` does.
-    assert (_context._TRACED_FOR.get(traced_for) or _context._TRACED_FOR.get(traced_for.split(" ")[0])) == name
+    assert (_unthreaded._TRACED_FOR.get(traced_for) or _unthreaded._TRACED_FOR.get(traced_for.split(" ")[0])) == name
     assert function in ("body", "<lambda>")
 
 

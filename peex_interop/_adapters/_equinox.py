@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox.nn import _attention as eqx_attention  # its module globals: how MHA calls jax
 
-from .._engine import _context, _inner_sites, _methods, _patching, _shape_pass
+from .._engine import _context, _inner_sites, _methods, _patching, _shape_pass, _threads
 from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, StoredParam, as_stored, at, declare
+from .._engine._hooking import Native, register_native
 from .._engine._kinds import kind_of
 from .._engine._layouts import (
     AS_STORED,
@@ -142,13 +143,17 @@ def class_patches(types: Iterable[type]) -> list[tuple[Any, str, Any]]:
     return patches
 
 
+# Equinox modules make up every hooked pytree (converted models are `eqx.Module`s too).
+register_native(Native(equinox_kind, class_patches))
+
+
 # -- shape-only passes ------------------------------------------------------------------
 # `eqx.nn.State.set` and `update` return a new State and mark the one they were called
 # on as spent ("Attempted to use old state"). A body the engine runs abstractly first
 # (`_engine/_shape_pass.py`) would spend a State it closes over, or that was passed to
 # `BackwardHook.init`, before the real run uses it. The States spent in this thread's
 # innermost pass, to hand back when it ends:
-_spent = _context.ThreadStack()
+_spent = _threads.ThreadStack()
 
 
 def _keeping_spent(original: Callable) -> Callable:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PyTree
 
-from .._engine import _context, _patching
+from .._engine import _context, _patching, _threads
 from .._engine._bindings import bindings
 from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored, at, declare
 from .._engine._errors import HookError
@@ -306,7 +306,7 @@ class _Call:
         )
 
 
-_calls_in_thread = _context.ThreadStack()
+_calls_in_thread = _threads.ThreadStack()
 
 
 def _calls() -> list[_Call]:

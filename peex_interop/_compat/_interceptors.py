@@ -22,12 +22,14 @@ from typing import Any, NamedTuple
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._engine._context import HookContext, InnerCall, Site, check_same_shape
 from .._engine._errors import HookError
+from .._engine._hook_context import HookContext
 from .._engine._hooking import hooking
 from .._engine._inner_sites import ModuleView
 from .._engine._kinds import METHOD, PERTURBATION, SOWN
 from .._engine._selection import Selection, Where
+from .._engine._shapes import check_same_shape
+from .._engine._sites import InnerCall, Site
 from .._hooks._wrapper import AbstractHookWrapper, selection_fields
 
 

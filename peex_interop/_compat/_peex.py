@@ -27,10 +27,11 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._engine._context import HookContext, Site
 from .._engine._errors import HookError
+from .._engine._hook_context import HookContext
 from .._engine._hooking import hooking
 from .._engine._selection import Selection
+from .._engine._sites import Site
 from .._hooks import _backward, _forward
 from .._hooks._hooks import HookLike, IdentityHook
 from .._hooks._logs import AbstractLog, NoneLog

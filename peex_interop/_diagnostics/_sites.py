@@ -11,12 +11,13 @@ import jax.tree_util as jtu
 from equinox.nn._stateful import _Sentinel  # pyright: ignore[reportPrivateImportUsage]
 
 from .._adapters._equinox import is_state, states_in
-from .._engine._context import HookContext, InnerCall, Site
 from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
+from .._engine._hook_context import HookContext
 from .._engine._hooking import hooking
 from .._engine._kinds import INNER_KINDS, MEMBERS
 from .._engine._paths import AbstractConverted, check_model, float_size, join, key_name
 from .._engine._selection import Kind, Selection
+from .._engine._sites import InnerCall, Site
 
 
 def parameter_counts(
@@ -193,7 +194,7 @@ class _SiteFinder:
             lengths=site.lengths,
             stacks=tuple(level for level, _ in site.stacks),
             step_path=site.step_path,
-            hookable=context.unthreadable() is None,
+            hookable=context.scopes.unthreadable() is None,
         )
         return output
 

@@ -24,7 +24,7 @@ A sown or planted value that reaches a loop (`while_loop`), an unthreaded `scan`
 naming the layer and that transform: never a dropped log or a summed cotangent.
 
 Keys: a jit compiled before hooking may replay a trace made in an earlier hooked call
-with other call counts, so its calls count from zero inside it (`_Scope.deferred`) and
+with other call counts, so its calls count from zero inside it (`Scope.deferred`) and
 are renumbered when they arrive (`HookContext.arrive`), in call order.
 """
 
@@ -164,42 +164,9 @@ def unflatten(tag: Tag, arrays: list) -> Any:
     return jtu.tree_unflatten(tag.treedef, [next(it) if s is None else s for s in tag.static])
 
 
-# -- where sown values arrive and jit programs are rewritten ----------------------------
-# Set by the engine: `arrival(trace, tag)` -> (context, scope) when `trace` is the trace
-# of the innermost scope of the context the tag names, else None.
-_arrival: list[Callable[[Any, Tag], Any]] = []
+# -- where jit programs are rewritten -----------------------------------------------------
+# Where sown and planted values arrive: `_arrivals.py`.
 _batches = itertools.count()
-
-
-def _sow_bind(original: Callable) -> Callable:
-    def bind_with_trace(trace, args, avals, params, /):
-        tag = params["tag"]
-        found = _arrival[0](trace, tag) if _arrival else None
-        if found is None:
-            return original(trace, args, avals, params)
-        found[0].arrive(tag, unflatten(tag, list(args)))
-        return []
-
-    return bind_with_trace
-
-
-def _plant_bind(original: Callable) -> Callable:
-    def bind_with_trace(trace, args, avals, params, /):
-        tag = params["tag"]
-        found = _arrival[0](trace, tag) if _arrival else None
-        if found is None:
-            return original(trace, args, avals, params)
-        context, scope = found
-        if scope.deferred or scope.plants:
-            # Slots are not this scope's: the plant passes through (numbered among the
-            # deferred scope's calls when it comes out of a jit inside it).
-            if tag.batch is not None:
-                tag = context.renumber_passing(tag)
-            return original(trace, args, avals, {**params, "tag": tag})
-        template = jtu.tree_unflatten(tag.treedef, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in params["avals"]])
-        return jtu.tree_leaves(context.arrive_slot(tag, template))
-
-    return bind_with_trace
 
 
 def _carried(jaxpr: Any) -> tuple[list, list]:
@@ -299,11 +266,10 @@ def _refusing(name: str) -> Callable[[Callable], Callable]:
 
 def primitive_patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     """Patch targets for `_patching.patched`: instance-level `bind_with_trace` of the
-    carrying primitives, the jit primitive, and the transforms that refuse them."""
+    jit primitive, and of the transforms that refuse carried values (the carrying
+    primitives' own: `_arrivals.arrival_patches`)."""
     bind = _jax.BIND
     return [
-        (sow_p, bind, _sow_bind),
-        (plant_p, bind, _plant_bind),
         (_jax.JIT, bind, _jit_bind),
         (*_jax.JIT_CALL_IMPL, _jit_impl),
         (_jax.WHILE, bind, _refusing("jax.lax.while_loop (or a fori_loop with traced bounds)")),

@@ -1,15 +1,16 @@
 """The engine: one hooked call = one context + the patches that feed it call sites."""
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 
-from .._adapters._equinox import class_patches, equinox_kind
 from . import _patching
 from ._attention import attention_patches
-from ._context import HookContext, Policy, entered
+from ._closed_world import check_reached
+from ._context import entered
+from ._hook_context import HookContext, Policy
 from ._routes import weights_patches
 from ._transforms import transform_patches
 
@@ -17,8 +18,26 @@ from ._transforms import transform_patches
 # before (a `jax.jit` created at import, a loop body defined at module level) misses
 # the cache and retraces in Python, so its layer calls reach the call sites. A trace
 # made while hooking is reused only under the same selections, and one that ran a
-# selected layer not at all (`_transforms._deferred_body`).
+# selected layer not at all (`_jits._deferred_body`).
 _hooking_jit_key = jax.make_user_context(())
+
+
+class Native(NamedTuple):
+    """The library whose modules make up hooked pytrees (Equinox): how a module's kind
+    is told (`px.KINDS`), and the patch targets (for `_patching.patched`) that make
+    every call of the given module types a call site. Its adapter registers it
+    (`register_native`, at import): the engine imports no adapter."""
+
+    kind: Callable[[Any], str]
+    class_patches: Callable[[Iterable[type]], list[tuple[Any, str, Any]]]
+
+
+_native: list[Native] = []
+
+
+def register_native(native: Native) -> None:
+    """Make `native` the library whose module calls hooked pytrees are made of."""
+    _native[:] = [native]
 
 
 @contextlib.contextmanager
@@ -31,8 +50,9 @@ def hooking(
     Class and transform patches are installed (or shared with overlapping calls) and
     undone on every exit path; the context is visible to this thread only.
     """
-    context = HookContext(root, policy, probes, discovering, equinox_kind)
-    patches = class_patches(context.module_types) + transform_patches() + attention_patches()
+    native = _native[0]
+    context = HookContext(root, policy, probes, discovering, native.kind)
+    patches = native.class_patches(context.paths.module_types) + transform_patches() + attention_patches()
     if context.selection.inner.where != ():
         # Some site inside a layer may be selected: any attention layer's weights.
         patches += weights_patches()
@@ -41,4 +61,4 @@ def hooking(
         key = tuple(c.selection if c.observes_values else object() for c in active)
         with _hooking_jit_key(key):
             yield context
-    context.check_reached()
+    check_reached(context)

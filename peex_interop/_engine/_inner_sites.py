@@ -14,10 +14,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._context import InnerCall, ThreadStack, active
+from ._context import active
 from ._kinds import MEMBERS
 from ._paths import join
 from ._selection import ATTENTION_WEIGHTS
+from ._sites import InnerCall
+from ._threads import ThreadStack
 
 # (name, kind) of the attention weights site of every attention, in every library.
 WEIGHTS = (ATTENTION_WEIGHTS, "attention_weights")

@@ -4,7 +4,7 @@ behaviour the engine relies on.
 The engine threads logs through JAX's transforms by replacing their entry points and
 the `bind_with_trace` of their primitives (`_transforms`, `_harvest`), carries values
 out of programs traced before hooking with primitives of its own (`_harvest`,
-`_batching`), and reads the current trace (`_context`). That reaches below JAX's public
+`_batching`), and reads the current trace (`_unthreaded`, `_hook_context`, `_arrivals`). That reaches below JAX's public
 API, which moves between releases. Each item below says what it is for, since which
 release it holds, and what changes inside the supported window (`peex_interop._versions`:
 JAX 0.10 to 0.12). `tests/test_jax_internals.py` asserts every assumption made here, so
@@ -18,16 +18,16 @@ from typing import Any
 import jax
 import jax.core
 import jax.extend.core as jex_core
+from equinox._jit import _JitWrapper  # pyright: ignore[reportPrivateImportUsage]
 from jax._src import core, pjit, shard_map
 from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
 from jax._src.named_sharding import UNSPECIFIED
 from jax._src.nn import functions as nn_functions
 from jax.extend.core import primitives
 
-from .. import _versions
-
-VERSION: tuple[int, ...] = _versions.parse(jax.__version__)
-"""The running JAX's release numbers (`(0, 12, 0, 1)`)."""
+VERSION: tuple[int, ...] = jax.__version_info__
+"""The running JAX's release numbers (`(0, 12, 1)`; JAX's own reading of its version,
+public in every release of the window)."""
 
 
 # -- version-dependent behaviour ---------------------------------------------------------
@@ -60,6 +60,14 @@ def trace_state() -> Any:
     the same traces (`jax.extend.core.get_opaque_trace_state`, public since 0.10.0): how
     the engine tells that a layer runs under a transform it did not thread."""
     return jex_core.get_opaque_trace_state()
+
+
+def is_trace_at(trace: Any, state: Any) -> bool:
+    """Whether `trace` (the trace a primitive is bound at) is the innermost trace of
+    `state` (a `trace_state()`): where a value carried out of a program reaches the
+    scope that recorded under `state`. Reads the state's private `_trace_ref` and the
+    trace's `_weakref` (every release of the window)."""
+    return state._trace_ref == trace._weakref
 
 
 BatchTrace = batching.BatchTrace
@@ -113,6 +121,12 @@ the `jit` primitive (every release of the window)."""
 SHARD_MAP = (shard_map, "_shard_map")
 """`shard_map._shard_map(f, *, mesh, in_specs, out_specs, ...)`: what `jax.shard_map`
 calls however it was reached (every release of the window)."""
+
+FILTER_JIT_CALL = (_JitWrapper, "__call__")
+"""`equinox._jit._JitWrapper.__call__`: the call of every `eqx.filter_jit` function
+(Equinox's private class, every release from equinox 0.13.7), most of them created
+before hooking (decorated methods): replaced instead of `eqx.filter_jit` itself
+(`_transforms`); `.__wrapped__` is the function it jits."""
 
 
 # -- primitives ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Which layers a model has: the one exception to the closed-world rule.
 
 After a hooked call, every name and pattern the user gave must have reached a call
-(`HookContext.check_reached`): a typo must never give an empty log. A layer the model
+(`_closed_world.check_reached`): a typo must never give an empty log. A layer the model
 *has* that simply did not run in this call is no error: a branch not taken, or
 `hk.BatchNorm`'s moving averages (`mean_ema`), which evaluation mode reads but does not
 call. It is absent from the log, as it is from the libraries' own interceptors.
@@ -39,6 +39,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from ._function_sites import declared_sites
 from ._paths import AbstractConverted, join
 from ._selection import ATTENTION_WEIGHTS, glob_to_regex
 
@@ -99,9 +100,6 @@ class Known:
     """
 
     def __init__(self, models: Iterable[tuple[tuple[str, ...], Any]], seen: set[str], root: Any):
-        # Imported here: function sites are built on the hooking contexts.
-        from ._function_sites import declared_sites
-
         self.layers: set[str] = set()
         self.methods: set[str] = set()
         for path, model in models:

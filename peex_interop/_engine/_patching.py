@@ -7,6 +7,8 @@ The reference count keeps a patch in place until the last overlapping call has l
 """
 
 import contextlib
+import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -151,3 +153,15 @@ def call_patches(
 
     make.purpose = ("layer calls", route)  # pyright: ignore[reportFunctionMemberAccess]
     return method_patches(types, "__call__", make)
+
+
+@functools.cache
+def signature(fn: Callable) -> inspect.Signature:
+    """The signature of the real function behind a replaced entry point."""
+    return inspect.signature(unwrap(fn))
+
+
+def bound_arguments(real: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of `real`, by parameter name, as JAX binds them: the
+    replacement of a JAX entry point accepts exactly the calling conventions it does."""
+    return dict(signature(real).bind(*args, **kwargs).arguments)

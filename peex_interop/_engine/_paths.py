@@ -41,7 +41,7 @@ class AbstractConverted(eqx.Module):
     # Whether `layers()` lists every layer a call can run. Those of Haiku and function
     # models are read off their parameters: a layer without any (an `hk.Sequential`, a
     # dropout function) is only known during the call, so a selection of such a model is
-    # checked after its call (`HookContext.check_reached`), not before.
+    # checked after its call (`_closed_world.check_reached`), not before.
     lists_every_layer: ClassVar[bool] = True
     # Whether its layers may sow values or mark perturbation points (Flax's
     # `self.sow`, `self.perturb`: sites `<layer>.<name>`, `_sown.py`), whose names only

@@ -26,7 +26,7 @@ from typing import Any, Self
 import equinox as eqx
 import jax.tree_util as jtu
 
-from ._context import ThreadStack
+from ._threads import ThreadStack
 
 
 class AbstractPooled(eqx.Module):
@@ -108,7 +108,7 @@ def mapped_vmaps() -> int:
 
 
 def pooled_vmap(real_vmap: Callable, threaded: Any) -> Callable:
-    """`real_vmap` for a threaded body (`_transforms._Body`) that returns `(out, logs)`,
+    """`real_vmap` for a threaded body (`_bodies.Body`) that returns `(out, logs)`,
     one log per hooking context: the vmap's `axis_name` (if any) is known to
     `mapped_axes()` while the body is traced, and the `AbstractPooled` values of forward
     logs leave pooled over the mapped axis.

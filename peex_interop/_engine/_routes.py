@@ -38,9 +38,11 @@ import jax
 
 from . import _patching
 from ._bindings import bindings
-from ._context import InnerCall, ThreadStack, active
+from ._context import active
 from ._errors import HookError
 from ._inner_sites import WEIGHTS, inner_site, silenced, wanted
+from ._sites import InnerCall
+from ._threads import ThreadStack
 
 # -- the decision ----------------------------------------------------------------------
 # Functions whose call, made by an attention layer's own code, forms its attention

@@ -1,7 +1,7 @@
 """A shape-only pass must not change what the real pass computes.
 
 The engine runs parts of a model abstractly that the model itself runs once: a threaded
-`vmap`/`scan` body, to find its backward slots (`_transforms._Body.probes`); the branches
+`vmap`/`scan` body, to find its backward slots (`_bodies.Body.probes`); the branches
 of a `cond`, to pad their logs to one structure; the whole model, in `BackwardHook.init`.
 JAX traces are pure, but the model libraries keep Python state that every trace
 advances: Haiku names a module by counting the names its frame has seen (`mlp`, then

@@ -11,11 +11,13 @@ from .._adapters._equinox import is_state
 from .._engine import _jax
 from .._engine._arguments import pre_hook_inputs
 from .._engine._batching import per_example
-from .._engine._context import CallSite, HookContext, Site, call_with_site, check_same_shape, zeros_like
 from .._engine._errors import HookError, TransformError, outside_its_vmap
+from .._engine._hook_context import HookContext
 from .._engine._hooking import hooking
 from .._engine._selection import Where
 from .._engine._shape_pass import shape_only
+from .._engine._shapes import check_same_shape, zeros_like
+from .._engine._sites import CallSite, Site, call_with_site
 from ._hooks import AbstractHook, HookLike, as_hook
 from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields
@@ -195,7 +197,7 @@ class BackwardHook(AbstractHookWrapper):
         slot = None if template is None else context.probe(site, template)
         if not flows_back:
             return value
-        if site.lengths or context.carries():
+        if site.lengths or context.scopes.carries():
             # In a vmap body, a value computed from inputs that do not vary over the
             # batch is computed once, and its cotangent would be the sum over the
             # examples; the slot is per example, so the value must be too.

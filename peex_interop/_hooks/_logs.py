@@ -7,9 +7,9 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._engine._context import CallSite, call_with_site, needs_indices, takes_site
 from .._engine._errors import HookError
 from .._engine._selection import may_name_a_step
+from .._engine._sites import CallSite, call_with_site, needs_indices, takes_site
 
 
 class AbstractLog(eqx.Module):

@@ -5,11 +5,11 @@ from typing import Any
 
 import equinox as eqx
 
-from .._engine._context import needs_indices
 from .._engine._function_sites import declared_sites
 from .._engine._methods import known_method_paths
 from .._engine._paths import AbstractConverted, AbstractTransparent, check_model, known_module_paths, walk
 from .._engine._selection import Criterion, Selection, Where
+from .._engine._sites import needs_indices
 
 
 class AbstractHookWrapper(AbstractTransparent):
@@ -30,7 +30,7 @@ class AbstractHookWrapper(AbstractTransparent):
     @property
     def explicit_patterns(self) -> tuple[str, ...]:
         """The patterns of `{pattern: hook}` / `{pattern: log}` maps given as hooks or
-        logs: each must select a call (`HookContext.check_reached`)."""
+        logs: each must select a call (`_closed_world.check_reached`)."""
         return tuple(p for fn in self._user_functions() for p in getattr(fn, "patterns", ()))
 
     @property

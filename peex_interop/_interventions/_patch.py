@@ -14,10 +14,10 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._engine._context import CallSite
 from .._engine._errors import HookError
 from .._engine._paths import AbstractTransparent
 from .._engine._selection import Where
+from .._engine._sites import CallSite
 from .._hooks._forward import ForwardHook
 from .._hooks._hooks import AbstractHook
 

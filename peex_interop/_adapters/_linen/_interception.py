@@ -26,7 +26,7 @@ from flax.linen import (
     module as linen_module,  # its `_context`: the modules being called
 )
 
-from ..._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown
+from ..._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown, _threads
 from ._variables import Path
 
 if TYPE_CHECKING:  # for types only: `_module` imports this module
@@ -84,9 +84,9 @@ def _save_linen_state() -> Callable[[], None]:
 _shape_pass.register(_save_linen_state)
 
 # The hooked `LinenModule` calls running in this thread, innermost last.
-_intercepting = _context.ThreadStack()
+_intercepting = _threads.ThreadStack()
 # The `nn.map_variables` wrappers whose modules are running in this thread (class names).
-mapping_in_thread = _context.ThreadStack()
+mapping_in_thread = _threads.ThreadStack()
 
 
 def intercepted(owner: "LinenModule", apply: Callable[[], Any]) -> Any:

@@ -12,7 +12,7 @@ from flax import nnx
 from flax.nnx import bridge
 from flax.nnx.nn import attention as nnx_attention  # its `dot_product_attention_weights`
 
-from ..._engine import _context, _methods, _patching, _routes, _sown
+from ..._engine import _context, _methods, _patching, _routes, _sown, _threads
 from ._graph import Path, modules_by_path
 from ._naming import PATH_ATTRIBUTE, Call
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # for types only: `_module` imports this module
 _routes.register_weights_function(nnx_attention.dot_product_attention_weights)
 
 # The NNX calls in progress in this thread, innermost last.
-_calls = _context.ThreadStack()
+_calls = _threads.ThreadStack()
 
 
 def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) -> Any:

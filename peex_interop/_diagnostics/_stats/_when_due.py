@@ -13,8 +13,9 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import ArrayLike, Bool
 
-from ..._engine._context import ThreadStack, zeros_like
 from ..._engine._patching import entry_point
+from ..._engine._shapes import zeros_like
+from ..._engine._threads import ThreadStack
 
 # Bound before hooking patches `jax.lax.cond`, `jax.eval_shape` and `jax.jit`: skipping
 # or compiling a statistic (or choosing how a histogram bins its values) is no model
