@@ -17,7 +17,7 @@ its adapter is first used (`_optional.needs`).
 
 import re
 
-from ._engine._errors import UnsupportedVersionError
+from ._errors import UnsupportedVersionError
 
 # Distribution (as pip names it) -> the oldest supported release.
 FLOORS: dict[str, str] = {

@@ -3,14 +3,11 @@
 unchanged, with peex's keys and numbers (see "Coming from ..." in the docs for what
 the default `peex_interop` API does differently)."""
 
-from ._compat._peex import (
-    BackwardHook as BackwardHook,
-    ForwardHook as ForwardHook,
-    LayerNameError as LayerNameError,
-)
-from ._hooks._hooks import AbstractHook as AbstractHook, IdentityHook as IdentityHook
-from ._hooks._logs import (
+from ._compat import BackwardHook as BackwardHook, ForwardHook as ForwardHook, LayerNameError as LayerNameError
+from ._hooks import (
+    AbstractHook as AbstractHook,
     AbstractLog as AbstractLog,
+    IdentityHook as IdentityHook,
     IdentityLog as IdentityLog,
     MeanLog as MeanLog,
     MeanStdLog as MeanStdLog,

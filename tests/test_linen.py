@@ -19,7 +19,7 @@ from flax.core import axes_scan
 
 import peex_interop as px
 from models import close, slot_gradient_of_init_inside_the_vmap, while_hooked_elsewhere
-from peex_interop._adapters._linen import LinenModule, from_linen
+from peex_interop._adapters import LinenModule, from_linen
 from peex_interop._engine import _patching
 
 

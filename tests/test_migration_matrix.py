@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import peex_interop as px
-from peex_interop._engine._paths import AbstractConverted
+from peex_interop._engine import AbstractConverted
 
 # A cycle through the libraries: each is read once and written once per kind. A
 # transfer reads the source's layout (named axes and facts), converts it by names alone

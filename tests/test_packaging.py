@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 import peex_interop as px
+from peex_interop._adapters import LAZY
 from peex_interop._optional import EXTRAS
 
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "peex_interop"
-LAZY = px._LAZY
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -83,7 +83,7 @@ def test_adapter_names_load_on_first_use(name):
     value = getattr(px, name)
     assert value.__name__ == name
     # Named by the adapter, defined in it (in one of its modules, for an adapter package).
-    adapter = f"peex_interop{LAZY[name][0]}"
+    adapter = f"peex_interop._adapters{LAZY[name][0]}"
     assert value is getattr(sys.modules[adapter], name)
     assert value.__module__ == adapter or value.__module__.startswith(f"{adapter}.")
 
@@ -121,23 +121,32 @@ def test_all_lists_exactly_the_public_names():
     assert set(px.__all__) <= set(dir(px))
 
 
-def test_type_checkers_see_the_lazy_names():
-    # The `if TYPE_CHECKING:` block imports exactly the lazily loaded names, from their modules.
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+def type_checking_imports(file: Path) -> dict[str | None, str]:
+    """Name -> the module its `if TYPE_CHECKING:` block imports it from (relative)."""
+    tree = ast.parse(file.read_text())
     block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
-    seen = {
+    return {
         alias.asname: ("." * node.level + (node.module or ""))
         for node in block.body
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
     }
-    assert seen == {name: module for name, (module, _) in LAZY.items()}
+
+
+def test_type_checkers_see_the_lazy_names():
+    # The `if TYPE_CHECKING:` blocks import exactly the lazily loaded names: `_adapters`
+    # from their adapters, the package from `_adapters`.
+    assert type_checking_imports(PACKAGE / "_adapters" / "__init__.py") == {
+        name: module for name, (module, _) in LAZY.items()
+    }
+    assert type_checking_imports(PACKAGE / "__init__.py") == dict.fromkeys(LAZY, "._adapters")
 
 
 def imports(file: Path) -> list[tuple[ast.Import | ast.ImportFrom, set[str], bool, list[str]]]:
     """Each import in `file`: the package modules (paths without `.py`) or top-level
     libraries it names, whether it runs when the module is imported (not inside a
-    function), and the `with` contexts around it."""
+    function), and the `with` contexts around it. Imports for type checkers only (`if
+    TYPE_CHECKING:`) never run and are left out."""
     found = []
 
     def targets(node: ast.Import | ast.ImportFrom) -> set[str]:
@@ -152,6 +161,10 @@ def imports(file: Path) -> list[tuple[ast.Import | ast.ImportFrom, set[str], boo
         return {str(base.joinpath(*n.split("."))) for n in names}
 
     def visit(node: ast.AST, in_function: bool, guards: list[str]) -> None:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child, in_function, guards)
+            return
         if isinstance(node, ast.Import | ast.ImportFrom):
             found.append((node, targets(node), not in_function, guards))
         if isinstance(node, ast.With):

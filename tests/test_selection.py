@@ -5,7 +5,7 @@ import pytest
 
 import peex_interop as px
 from models import MLP, Deep
-from peex_interop._engine._selection import glob_to_regex
+from peex_interop._engine import glob_to_regex
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def test_importing_with_a_core_library_older_than_its_floor_raises_one_clear_err
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        f"peex_interop._engine._errors.UnsupportedVersionError: peex_interop needs "
+        f"peex_interop._errors.UnsupportedVersionError: peex_interop needs "
         f"{library}>={_versions.FLOORS[library]}, but {library} 0.7.2 is installed."
     ), run.stderr
     # Raised by the check, before any module that touches JAX's internals was imported.

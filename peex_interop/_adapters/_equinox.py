@@ -17,23 +17,46 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox.nn import _attention as eqx_attention  # its module globals: how MHA calls jax
 
-from .._engine import _context, _inner_sites, _methods, _patching, _shape_pass, _threads
-from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, StoredParam, as_stored, at, declare
-from .._engine._hooking import Native, register_native
-from .._engine._kinds import kind_of
-from .._engine._layouts import (
+from .._engine import (
     AS_STORED,
+    NO_DECLARATIONS,
+    WEIGHTS,
+    AbstractConverted,
+    AbstractTransparent,
     Container,
+    Declarations,
+    Declared,
     Layout,
+    ModuleView,
+    Native,
     Param,
+    StoredParam,
+    ThreadStack,
+    as_stored,
+    at,
     axes,
+    call_patches,
+    call_site,
+    children,
+    declare,
+    inner_site,
     is_inexact,
+    join,
+    kind_of,
+    method_call_patches,
+    method_patches,
+    name_returned,
+    patched,
     put_like,
     refuse,
     refuse_reparametrised,
     refuse_unread,
+    register_native,
+    register_shape_pass_save,
+    running_layer,
+    walk,
+    wanted,
 )
-from .._engine._paths import AbstractConverted, AbstractTransparent, children, join, walk
 
 # Equinox's built-in layers, by library-independent kind (`px.KINDS`).
 EQUINOX_KINDS: dict[type, str] = {
@@ -65,11 +88,11 @@ def equinox_kind(module: Any) -> str:
 
 
 def _route(original: Callable, module: eqx.Module, args: tuple, kwargs: dict) -> Any:
-    return _context.call_site(module, functools.partial(original, module), args, kwargs)
+    return call_site(module, functools.partial(original, module), args, kwargs)
 
 
 def _route_method(original: Callable, module: eqx.Module, name: str, args: tuple, kwargs: dict) -> Any:
-    return _context.call_site(module, functools.partial(original, module), args, kwargs, member=name)
+    return call_site(module, functools.partial(original, module), args, kwargs, member=name)
 
 
 def _shared_call(original: Callable) -> Callable:
@@ -77,7 +100,7 @@ def _shared_call(original: Callable) -> Callable:
         layers = original(self, *args, **kwargs)
         # The returned layers are rebuilt with the tied arrays put back: each is the one
         # at its position under `pytree` (tied arrays alone cannot tell them apart).
-        _context.name_returned(self.pytree, layers)
+        name_returned(self.pytree, layers)
         return layers
 
     return __call__
@@ -90,7 +113,7 @@ def _all_heads(vmap: Callable, keywords: dict, query_heads: Any, key_heads: Any,
     mask = kwargs.get("mask", keywords.get("mask"))
     dropout, inference, key = keywords.get("dropout"), keywords.get("inference"), kwargs.get("key")
     weights_of = vmap(eqx_attention.dot_product_attention_weights, in_axes=(1, 1, 0 if "mask" in kwargs else None))
-    weights = _inner_sites.inner_site(*_inner_sites.WEIGHTS, weights_of, (query_heads, key_heads, mask), {})
+    weights = inner_site(*WEIGHTS, weights_of, (query_heads, key_heads, mask), {})
 
     def attend(weights: Any, value: Any, key: Any) -> Any:
         if dropout is not None:
@@ -100,7 +123,7 @@ def _all_heads(vmap: Callable, keywords: dict, query_heads: Any, key_heads: Any,
     return vmap(attend, in_axes=(0, 1, 0), out_axes=1)(weights, value_heads, key)
 
 
-def _attention_jax(jax_module: Any) -> _inner_sites.ModuleView:
+def _attention_jax(jax_module: Any) -> ModuleView:
     """What `jax` is to Equinox's attention code while hooking. `MultiheadAttention`
     forms each head's weights inside `jax.vmap(dot_product_attention, in_axes=1,
     out_axes=1)`; while its weights site is selected, that vmap runs as `_all_heads`,
@@ -113,13 +136,13 @@ def _attention_jax(jax_module: Any) -> _inner_sites.ModuleView:
         per_head = isinstance(fun, functools.partial) and fun.func is eqx_attention.dot_product_attention
         if (
             per_head and in_axes == 1 and out_axes == 1 and not (args or kwargs)
-            and isinstance(_inner_sites.running_layer(), eqx.nn.MultiheadAttention)
-            and _inner_sites.wanted(*_inner_sites.WEIGHTS)
+            and isinstance(running_layer(), eqx.nn.MultiheadAttention)
+            and wanted(*WEIGHTS)
         ):
             return functools.partial(_all_heads, vmap, fun.keywords)
         return vmap(fun, in_axes, out_axes, *args, **kwargs)
 
-    return _inner_sites.ModuleView(jax_module, vmap=heads_vmap)
+    return ModuleView(jax_module, vmap=heads_vmap)
 
 
 def class_patches(types: Iterable[type]) -> list[tuple[Any, str, Any]]:
@@ -134,9 +157,9 @@ def class_patches(types: Iterable[type]) -> list[tuple[Any, str, Any]]:
     # A converted model's own methods (`with_state`, `carried`) are peex_interop's API.
     with_methods = [cls for cls in layers if not issubclass(cls, AbstractConverted)]
     patches = (
-        _patching.call_patches(layers, _route)
-        + _methods.method_call_patches(with_methods, eqx.Module, _route_method)
-        + _patching.method_patches(shared, "__call__", _shared_call)
+        call_patches(layers, _route)
+        + method_call_patches(with_methods, eqx.Module, _route_method)
+        + method_patches(shared, "__call__", _shared_call)
     )
     if any(issubclass(cls, eqx.nn.MultiheadAttention) for cls in types):
         patches.append((eqx_attention, "jax", _attention_jax))
@@ -153,7 +176,7 @@ register_native(Native(equinox_kind, class_patches))
 # (`_engine/_shape_pass.py`) would spend a State it closes over, or that was passed to
 # `BackwardHook.init`, before the real run uses it. The States spent in this thread's
 # innermost pass, to hand back when it ends:
-_spent = _threads.ThreadStack()
+_spent = ThreadStack()
 
 
 def _keeping_spent(original: Callable) -> Callable:
@@ -167,7 +190,7 @@ def _keeping_spent(original: Callable) -> Callable:
 
 def _save_equinox_states() -> Callable[[], None]:
     spent: list[tuple[eqx.nn.State, Any]] = []
-    patches = _patching.patched(
+    patches = patched(
         [(eqx.nn.State, "set", _keeping_spent), (eqx.nn.State, "update", _keeping_spent)]
     )
     patches.__enter__()
@@ -184,7 +207,7 @@ def _save_equinox_states() -> Callable[[], None]:
     return restore
 
 
-_shape_pass.register(_save_equinox_states)
+register_shape_pass_save(_save_equinox_states)
 
 
 # -- parameter layouts (px.transfer_params) ------------------------------------------

@@ -4,8 +4,7 @@ of their `ConvTranspose` (one module, one implementation in Flax)."""
 import dataclasses
 from typing import Any
 
-from .._engine._declarations import Declared, at, declare
-from .._engine._layouts import lax_transpose_padding
+from .._engine import Declared, at, declare, lax_transpose_padding
 
 
 def flax_transpose_spec(layer: Any, dims: int) -> Declared:

@@ -37,13 +37,30 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PyTree
 
-from .._engine import _context, _patching, _threads
-from .._engine._bindings import bindings
-from .._engine._declarations import NO_DECLARATIONS, Declarations, Declared, as_stored, at, declare
-from .._engine._errors import HookError
-from .._engine._kinds import KINDS
-from .._engine._layouts import Container, Layout, is_abstract, refuse
-from .._engine._paths import AbstractConverted
+from .._engine import (
+    KINDS,
+    NO_DECLARATIONS,
+    ORIGINAL,
+    AbstractConverted,
+    Container,
+    Declarations,
+    Declared,
+    Layout,
+    ThreadStack,
+    active,
+    as_stored,
+    at,
+    bindings,
+    call_site,
+    declare,
+    is_abstract,
+    origin,
+    patched,
+    refuse,
+    refuse_if_passed_through,
+    unwrap,
+)
+from .._errors import HookError
 
 Path = tuple[str, ...]
 
@@ -95,7 +112,7 @@ class FunctionLayer:
         """Whether this is a call of `function`. Use it in `where=` predicates rather
         than `layer.function is f`: during a hooked call, the global name `f` is bound
         to its routed replacement."""
-        return _patching.unwrap(function) is self.function
+        return unwrap(function) is self.function
 
 
 _layer_types: dict[Callable, type] = {}
@@ -103,7 +120,7 @@ _layer_types: dict[Callable, type] = {}
 
 def layer_type(function: Callable) -> type:
     """The `FunctionLayer` subclass of one layer function (for `where=` types)."""
-    function = _patching.unwrap(function)
+    function = unwrap(function)
     cls = _layer_types.get(function)
     if cls is None:
         name = getattr(function, "__name__", "layer")
@@ -157,12 +174,12 @@ class FunctionModule(AbstractConverted):
 
         What `fn(params, *args, **kwargs)` returns.
         """
-        if not _context.active():
+        if not active():
             return self.fn(self.params, *args, **kwargs)
         call = _Call(self, self.params)
         functions = [function for function, _ in self.kinds]
         targets = [(owner, name, _routed) for owner, name in bindings(functions, self.fn)]
-        with _patching.patched(targets):
+        with patched(targets):
             _calls().append(call)
             try:
                 output = self.fn(call.params, *args, **kwargs)
@@ -276,7 +293,7 @@ class _Call:
         # arrays vote for several, the others decide.
         votes: collections.Counter[Path] = collections.Counter()
         for relative, leaf in leaves:
-            for found in self.ids.get(id(_context.origin(leaf)), ([], None))[0]:
+            for found in self.ids.get(id(origin(leaf)), ([], None))[0]:
                 if found[len(found) - len(relative) :] == relative:
                     votes[found[: len(found) - len(relative)]] += 1
         if votes:
@@ -285,7 +302,7 @@ class _Call:
         caller = ".".join(self.running[-1]) if self.running else ""
         # Parameters that a transform the engine cannot thread received as arguments are
         # its tracers: that transform is what to name.
-        _context.refuse_if_passed_through(f"call of layer function {_name(function)!r}", params)
+        refuse_if_passed_through(f"call of layer function {_name(function)!r}", params)
         raise HookError(
             f"cannot name the call of layer function {_name(function)!r} "
             f"(called inside layer {caller!r}): its first argument holds arrays that are "
@@ -306,7 +323,7 @@ class _Call:
         )
 
 
-_calls_in_thread = _threads.ThreadStack()
+_calls_in_thread = ThreadStack()
 
 
 def _calls() -> list[_Call]:
@@ -320,7 +337,7 @@ def _routed(original: Callable) -> Callable:
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any) -> Any:
         calls = _calls()
-        if not calls or not _context.active():
+        if not calls or not active():
             return original(*args, **kwargs)
         hole_aware = _placeholder_partial(args, kwargs)
         if hole_aware is not None:
@@ -334,14 +351,14 @@ def _routed(original: Callable) -> Callable:
         call.running.append(path)
         try:
             layer_call = functools.partial(_activations, original, path)
-            return _context.call_site(
+            return call_site(
                 call.owner, layer_call, args, kwargs, local=path, module=layer(params), signature=original,
                 member=call.method_of(original, path),
             )
         finally:
             call.running.pop()
 
-    setattr(routed, _patching.ORIGINAL, original)
+    setattr(routed, ORIGINAL, original)
     return routed
 
 

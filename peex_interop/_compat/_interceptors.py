@@ -22,15 +22,21 @@ from typing import Any, NamedTuple
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._engine._errors import HookError
-from .._engine._hook_context import HookContext
-from .._engine._hooking import hooking
-from .._engine._inner_sites import ModuleView
-from .._engine._kinds import METHOD, PERTURBATION, SOWN
-from .._engine._selection import Selection, Where
-from .._engine._shapes import check_same_shape
-from .._engine._sites import InnerCall, Site
-from .._hooks._wrapper import AbstractHookWrapper, selection_fields
+from .._engine import (
+    METHOD,
+    PERTURBATION,
+    SOWN,
+    HookContext,
+    InnerCall,
+    ModuleView,
+    Selection,
+    Site,
+    Where,
+    check_same_shape,
+    hooking,
+)
+from .._errors import HookError
+from .._hooks import AbstractHookWrapper, selection_fields
 
 
 class InterceptContext(NamedTuple):

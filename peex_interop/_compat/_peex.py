@@ -27,14 +27,16 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._engine._errors import HookError
-from .._engine._hook_context import HookContext
-from .._engine._hooking import hooking
-from .._engine._selection import Selection
-from .._engine._sites import Site
-from .._hooks import _backward, _forward
-from .._hooks._hooks import HookLike, IdentityHook
-from .._hooks._logs import AbstractLog, NoneLog
+from .._engine import HookContext, Selection, Site, hooking
+from .._errors import HookError
+from .._hooks import (
+    AbstractLog,
+    BackwardHook as PxBackwardHook,
+    ForwardHook as PxForwardHook,
+    HookLike,
+    IdentityHook,
+    NoneLog,
+)
 
 _REPEAT = re.compile(r"@(\d+)\Z")
 
@@ -102,7 +104,7 @@ class _PeexConventions(eqx.Module):
         return _selection(self.peex_names)
 
 
-class ForwardHook(_PeexConventions, _forward.ForwardHook):
+class ForwardHook(_PeexConventions, PxForwardHook):
     """peex's `ForwardHook`: `(output, log)` with `log[name]` the last call of each
     depth-1 submodule the model's own code calls (see the module docstring)."""
 
@@ -123,7 +125,7 @@ class ForwardHook(_PeexConventions, _forward.ForwardHook):
         return site.call(*args, **site.kwargs)
 
 
-class BackwardHook(_PeexConventions, _backward.BackwardHook):
+class BackwardHook(_PeexConventions, PxBackwardHook):
     """peex's `BackwardHook`: `.init(*args)` gives one slot per depth-1 submodule the
     model's own code calls; a submodule called twice adds both calls' cotangents into
     its slot (see the module docstring)."""

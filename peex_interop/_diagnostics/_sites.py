@@ -10,14 +10,23 @@ import jax
 import jax.tree_util as jtu
 from equinox.nn._stateful import _Sentinel  # pyright: ignore[reportPrivateImportUsage]
 
-from .._adapters._equinox import is_state, states_in
-from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
-from .._engine._hook_context import HookContext
-from .._engine._hooking import hooking
-from .._engine._kinds import INNER_KINDS, MEMBERS
-from .._engine._paths import AbstractConverted, check_model, float_size, join, key_name
-from .._engine._selection import Kind, Selection
-from .._engine._sites import InnerCall, Site
+from .._adapters import is_state, states_in
+from .._engine import (
+    INNER_KINDS,
+    MEMBERS,
+    AbstractConverted,
+    HookContext,
+    InnerCall,
+    Kind,
+    Selection,
+    Site,
+    check_model,
+    float_size,
+    hooking,
+    join,
+    key_name,
+)
+from .._errors import HookError, outside_its_vmap, run_on_a_batch
 
 
 def parameter_counts(

@@ -6,7 +6,7 @@ from typing import Any
 
 import equinox as eqx
 
-from .._engine._paths import AbstractConverted
+from .._engine import AbstractConverted
 from ._sites import SiteRow, find_sites, parameter_counts, state_among
 from ._table import AbstractTabular, Table
 

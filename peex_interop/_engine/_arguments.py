@@ -14,7 +14,7 @@ from typing import Any
 import equinox as eqx
 import jax.tree_util as jtu
 
-from ._errors import HookError
+from .._errors import HookError
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._errors import HookError
 from . import _jax
-from ._errors import HookError
 from ._inner_sites import WEIGHTS, inner_site, running_path, wanted
 
 

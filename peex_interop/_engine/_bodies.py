@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._errors import HookError
 from . import _context, _shape_pass
-from ._errors import HookError
 
 # Marks the engine's own traced bodies, which thread their logs as outputs.
 _THREADED_BODY = "__peex_interop_threaded_body__"

@@ -7,8 +7,8 @@ call (`_hooking.hooking`), against the paths the call ran and the layers the mod
 
 import difflib
 
+from .._errors import HookError
 from . import _known_paths
-from ._errors import HookError
 from ._hook_context import HookContext
 from ._selection import could_be_step, glob_to_regex, may_name_a_step
 

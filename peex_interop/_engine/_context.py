@@ -21,7 +21,7 @@ import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._errors import TransformError
+from .._errors import TransformError
 from ._hook_context import HookContext
 from ._kinds import METHOD
 from ._paths import join

@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._errors import HookError
+from .._errors import HookError
 from ._layouts import AS_STORED, LAYOUT_KINDS, Axes, Layout, Param, axes
 from ._selection import glob_to_regex
 

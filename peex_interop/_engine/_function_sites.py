@@ -25,9 +25,9 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .._errors import HookError
 from . import _patching, _routes
 from ._context import active
-from ._errors import HookError
 from ._paths import AbstractTransparent, module_paths
 
 

@@ -39,8 +39,8 @@ import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .._errors import TransformError
 from . import _jax
-from ._errors import TransformError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .._errors import HookError, TransformError
 from . import _steps
-from ._errors import HookError, TransformError
 from ._kinds import MEMBERS
 from ._path_index import PathIndex
 from ._paths import AbstractConverted

@@ -33,7 +33,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 
-from ._errors import HookError
+from .._errors import HookError
 
 Axes = tuple[tuple[str, ...], ...]
 

@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .._errors import HookError
 from . import _jax
-from ._errors import HookError
 
 _lock = threading.Lock()
 # (id(owner), name) -> [owner, had_own_attribute, original_value, count, purpose]

@@ -13,8 +13,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .._errors import HookError
 from . import _jax
-from ._errors import HookError
 from ._paths import join, walk
 from ._scopes import Scope
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .._errors import HookError
 from ._declarations import NO_DECLARATIONS, Declarations
-from ._errors import HookError
 
 
 class AbstractTransparent(eqx.Module):

@@ -36,10 +36,10 @@ from typing import Any
 
 import jax
 
+from .._errors import HookError
 from . import _patching
 from ._bindings import bindings
 from ._context import active
-from ._errors import HookError
 from ._inner_sites import WEIGHTS, inner_site, silenced, wanted
 from ._sites import InnerCall
 from ._threads import ThreadStack

@@ -15,8 +15,8 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from .._errors import HookError
 from . import _harvest, _jax
-from ._errors import HookError
 from ._shapes import check_same_shape
 from ._unthreaded import refused_here, transform_name
 

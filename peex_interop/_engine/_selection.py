@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import HookError
+from .._errors import HookError
 from ._kinds import KINDS
 
 _WHERE_TAKES = (

@@ -26,7 +26,7 @@ Save = Callable[[], Callable[[], None]]
 _savers: list[Save] = []
 
 
-def register(save: Save) -> None:
+def register_shape_pass_save(save: Save) -> None:
     """Have every shape-only pass leave a library's Python state as it found it."""
     if save not in _savers:
         _savers.append(save)
@@ -45,7 +45,7 @@ def shape_only() -> Iterator[None]:
             restore()
 
 
-def containers(objects: Iterable[Any]) -> Callable[[], None]:
+def snapshot_containers(objects: Iterable[Any]) -> Callable[[], None]:
     """Snapshot mutable containers (dicts, sets, lists, deques) now; the result restores
     their contents *in place*: the library holds references to these very objects (a
     lifted linen scope shares its parent's counts dict), so new ones would not do."""

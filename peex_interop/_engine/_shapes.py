@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._errors import HookError
+from .._errors import HookError
 
 
 def _spec(x: Any) -> Any:

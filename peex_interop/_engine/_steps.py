@@ -12,7 +12,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._errors import HookError
+from .._errors import HookError
 from ._paths import AbstractConverted, join
 from ._scopes import Scope
 from ._selection import Selection, step_path

@@ -7,17 +7,22 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
-from .._adapters._equinox import is_state
-from .._engine import _jax
-from .._engine._arguments import pre_hook_inputs
-from .._engine._batching import per_example
-from .._engine._errors import HookError, TransformError, outside_its_vmap
-from .._engine._hook_context import HookContext
-from .._engine._hooking import hooking
-from .._engine._selection import Where
-from .._engine._shape_pass import shape_only
-from .._engine._shapes import check_same_shape, zeros_like
-from .._engine._sites import CallSite, Site, call_with_site
+from .._adapters import is_state
+from .._engine import (
+    TANGENT_SURVIVES_CUSTOM_VJP_IN_SCAN,
+    CallSite,
+    HookContext,
+    Site,
+    Where,
+    call_with_site,
+    check_same_shape,
+    hooking,
+    per_example,
+    pre_hook_inputs,
+    shape_only,
+    zeros_like,
+)
+from .._errors import HookError, TransformError, outside_its_vmap
 from ._hooks import AbstractHook, HookLike, as_hook
 from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields
@@ -286,7 +291,7 @@ def _through_slot(value: Any, slot: Any, steps: Any, perturbs: bool) -> Any:
         # A stack selected at some steps: the other steps' outputs stay unperturbed.
         active, _ = steps
         slot = jtu.tree_map(lambda s: jnp.where(active, s, jnp.zeros_like(s)), slot)
-    perturbed_by = _perturbed_by if _jax.TANGENT_SURVIVES_CUSTOM_VJP_IN_SCAN else _added
+    perturbed_by = _perturbed_by if TANGENT_SURVIVES_CUSTOM_VJP_IN_SCAN else _added
     return jtu.tree_map(
         lambda s, v: v if s is None else perturbed_by(v, s), slot, value, is_leaf=lambda x: x is None
     )

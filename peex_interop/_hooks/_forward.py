@@ -4,11 +4,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._engine._arguments import pre_hook_inputs
-from .._engine._hook_context import HookContext
-from .._engine._hooking import hooking
-from .._engine._selection import Where
-from .._engine._sites import Site
+from .._engine import HookContext, Site, Where, hooking, pre_hook_inputs
 from ._hooks import AbstractHook, HookLike, as_hook
 from ._logs import AbstractLog, LogLike, NoneLog, as_log
 from ._wrapper import AbstractHookWrapper, selection_fields

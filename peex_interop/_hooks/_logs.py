@@ -7,9 +7,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._engine._errors import HookError
-from .._engine._selection import may_name_a_step
-from .._engine._sites import CallSite, call_with_site, needs_indices, takes_site
+from .._engine import CallSite, call_with_site, may_name_a_step, needs_indices, takes_site
+from .._errors import HookError
 
 
 class AbstractLog(eqx.Module):

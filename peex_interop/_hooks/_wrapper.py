@@ -5,11 +5,19 @@ from typing import Any
 
 import equinox as eqx
 
-from .._engine._function_sites import declared_sites
-from .._engine._methods import known_method_paths
-from .._engine._paths import AbstractConverted, AbstractTransparent, check_model, known_module_paths, walk
-from .._engine._selection import Criterion, Selection, Where
-from .._engine._sites import needs_indices
+from .._engine import (
+    AbstractConverted,
+    AbstractTransparent,
+    Criterion,
+    Selection,
+    Where,
+    check_model,
+    declared_sites,
+    known_method_paths,
+    known_module_paths,
+    needs_indices,
+    walk,
+)
 
 
 class AbstractHookWrapper(AbstractTransparent):

@@ -8,8 +8,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._engine._sites import CallSite
-from .._hooks._hooks import AbstractHook
+from .._engine import CallSite
+from .._hooks import AbstractHook
 from ._patch import cached_at
 
 

@@ -5,9 +5,8 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from .._engine._selection import Where
-from .._hooks._forward import ForwardHook
-from .._hooks._logs import IdentityLog
+from .._engine import Where
+from .._hooks import ForwardHook, IdentityLog
 
 
 def cache(

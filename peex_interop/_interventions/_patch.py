@@ -14,12 +14,9 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._engine._errors import HookError
-from .._engine._paths import AbstractTransparent
-from .._engine._selection import Where
-from .._engine._sites import CallSite
-from .._hooks._forward import ForwardHook
-from .._hooks._hooks import AbstractHook
+from .._engine import AbstractTransparent, CallSite, Where
+from .._errors import HookError
+from .._hooks import AbstractHook, ForwardHook
 
 # `fn(current, cached, site) -> value`: what a patch puts in place of the current value.
 PatchFn = Callable[[Any, Any, CallSite], Any]

@@ -7,13 +7,20 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._diagnostics._sites import SiteRow, find_sites
-from .._engine._declarations import NO_DECLARATIONS, Declarations
-from .._engine._errors import HookError
-from .._engine._kinds import INNER_KINDS, METHOD, PERTURBATION, SOWN
-from .._engine._layouts import Container
-from .._engine._paths import AbstractConverted, module_paths
-from .._engine._selection import glob_to_regex
+from .._diagnostics import SiteRow, find_sites
+from .._engine import (
+    INNER_KINDS,
+    METHOD,
+    NO_DECLARATIONS,
+    PERTURBATION,
+    SOWN,
+    AbstractConverted,
+    Container,
+    Declarations,
+    glob_to_regex,
+    module_paths,
+)
+from .._errors import HookError
 from ._alignment import REPEAT, Alignment, layer_of
 from ._differences import first_array
 from ._sides import Side

@@ -4,7 +4,7 @@ import dataclasses
 import re
 from typing import Any
 
-from .._diagnostics._table import AbstractTabular, Table
+from .._diagnostics import AbstractTabular, Table
 
 # A log key of a layer's repeated call: `path@n` is the n-th call of `path`.
 REPEAT = re.compile(r"@\d+\Z")

@@ -10,12 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._diagnostics._summary import summary
-from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
-from .._engine._paths import AbstractConverted
-from .._hooks._backward import BackwardHook
-from .._hooks._forward import ForwardHook
-from .._hooks._logs import IdentityLog
+from .._diagnostics import summary
+from .._engine import AbstractConverted
+from .._errors import HookError, outside_its_vmap, run_on_a_batch
+from .._hooks import BackwardHook, ForwardHook, IdentityLog
 from ._align import align
 from ._alignment import REPEAT, Alignment
 from ._comparison import Comparison, ComparisonRow

@@ -3,7 +3,7 @@
 import dataclasses
 import itertools
 
-from .._diagnostics._table import AbstractTabular, Table
+from .._diagnostics import AbstractTabular, Table
 from ._alignment import Alignment
 
 

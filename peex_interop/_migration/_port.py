@@ -14,11 +14,9 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from .._diagnostics._sites import SiteRow, find_sites
-from .._engine._declarations import Declarations
-from .._engine._errors import HookError, PortError
-from .._engine._kinds import INNER_KINDS
-from .._engine._paths import check_model, join
+from .._diagnostics import SiteRow, find_sites
+from .._engine import INNER_KINDS, Declarations, check_model, join
+from .._errors import HookError, PortError
 from ._align import DEFAULT_KINDS, align_rows, called_alignment, with_uncalled
 from ._alignment import REPEAT, Alignment
 from ._compare import compare

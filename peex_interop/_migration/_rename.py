@@ -2,7 +2,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .._diagnostics._packing import PackedLog
+from .._diagnostics import PackedLog
 
 _SUFFIX = re.compile(r"(@\d+)?(:in)?\Z")
 

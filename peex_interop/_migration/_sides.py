@@ -10,15 +10,23 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .._adapters._equinox import equinox_layout, equinox_write, states_in
-from .._engine._declarations import NO_DECLARATIONS, Declarations
-from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
-from .._engine._hook_context import HookContext
-from .._engine._hooking import hooking
-from .._engine._layouts import Container, Layout, is_abstract
-from .._engine._paths import AbstractConverted, join, key_name, walk
-from .._engine._selection import Selection
-from .._engine._sites import Site
+from .._adapters import equinox_layout, equinox_write, states_in
+from .._engine import (
+    NO_DECLARATIONS,
+    AbstractConverted,
+    Container,
+    Declarations,
+    HookContext,
+    Layout,
+    Selection,
+    Site,
+    hooking,
+    is_abstract,
+    join,
+    key_name,
+    walk,
+)
+from .._errors import HookError, outside_its_vmap, run_on_a_batch
 
 
 class _Modules:

@@ -22,20 +22,20 @@ from typing import Any
 
 import equinox as eqx
 
-from .._engine._declarations import Declarations
-from .._engine._errors import HookError, outside_its_vmap, run_on_a_batch
-from .._engine._layouts import (
+from .._engine import (
     Container,
+    Declarations,
     Layout,
     fit,
     fit_state,
     is_abstract,
+    join,
     member_axis,
     member_of,
     merged_members,
     refuse,
 )
-from .._engine._paths import join
+from .._errors import HookError, outside_its_vmap, run_on_a_batch
 from .._optional import needs
 from ._align import called_alignment
 from ._alignment import REPEAT

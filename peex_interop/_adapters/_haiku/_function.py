@@ -6,8 +6,7 @@ from typing import Any
 
 import equinox as eqx
 
-from ..._engine._declarations import NO_DECLARATIONS, Declarations
-from ..._engine._layouts import Layout
+from ..._engine import NO_DECLARATIONS, Declarations, Layout
 from ._interception import AbstractHaiku, layer_methods
 
 

@@ -13,9 +13,7 @@ import haiku as hk
 import jax
 from haiku._src import base as hk_base  # the frames: Haiku's per-transform Python state
 
-from ..._engine import _context, _shape_pass
-from ..._engine._kinds import kind_of
-from ..._engine._paths import AbstractConverted
+from ..._engine import AbstractConverted, active, call_site, kind_of, register_shape_pass_save, snapshot_containers
 from ._transforms import Transforms
 
 HAIKU_KINDS: dict[type, str] = {
@@ -58,7 +56,7 @@ def _save_haiku_state() -> Callable[[], None]:
                 held.append(bundles)
                 held.extend(bundle for bundle in bundles.values() if isinstance(bundle, MutableMapping))
         sequences.update({id(rng): rng for rng in frame.rng_stack if rng is not None})
-    restore_containers = _shape_pass.containers(held)
+    restore_containers = snapshot_containers(held)
     keys = [(rng, rng.internal_state) for rng in sequences.values()]
 
     def restore() -> None:
@@ -69,7 +67,7 @@ def _save_haiku_state() -> Callable[[], None]:
     return restore
 
 
-_shape_pass.register(_save_haiku_state)
+register_shape_pass_save(_save_haiku_state)
 
 
 def total_size(tree: Any) -> int:
@@ -92,7 +90,7 @@ class AbstractHaiku(AbstractConverted):
     def _intercepted(self, run: Callable[[], Any], *, applies: bool) -> Any:
         # `applies`: whether `run` opens the model's own transform (`apply`) or runs in
         # the enclosing one.
-        if not _context.active():
+        if not active():
             return run()
         transforms = Transforms(len(hk_base.context_stack) + applies)
         interceptor = functools.partial(self._intercept, transforms)
@@ -104,7 +102,7 @@ class AbstractHaiku(AbstractConverted):
         if local is None:
             return transforms.run(context, next_f, args, kwargs)
         method = None if context.method_name == "__call__" else context.method_name
-        return _context.call_site(
+        return call_site(
             self, next_f, args, kwargs, local=local, module=context.module, signature=context.orig_method,
             member=method,
         )

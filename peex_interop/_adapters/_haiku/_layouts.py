@@ -16,19 +16,21 @@ import re
 import haiku as hk
 import jax.numpy as jnp
 
-from ..._engine._declarations import Declarations, Declared, as_stored
-from ..._engine._errors import HookError
-from ..._engine._layouts import (
+from ..._engine import (
     AS_STORED,
     Container,
+    Declarations,
+    Declared,
     Layout,
     Param,
+    as_stored,
     axes,
     is_abstract,
     lax_transpose_padding,
     put_like,
     refuse,
 )
+from ..._errors import HookError
 from ._names import haiku_path, params_path
 
 _ATTENTION = ("query", "key", "value", "linear")

@@ -10,9 +10,8 @@ import haiku as hk
 from haiku._src import base as hk_base  # the frames: Haiku's per-transform Python state
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..._engine._declarations import NO_DECLARATIONS, Declarations
-from ..._engine._errors import HookError
-from ..._engine._layouts import Container, Layout
+from ..._engine import NO_DECLARATIONS, Container, Declarations, Layout
+from ..._errors import HookError
 from .._replace import replace
 from ._interception import AbstractHaiku, layer_methods, total_size
 from ._layouts import haiku_layout, haiku_write

@@ -9,8 +9,8 @@ import jax
 from haiku._src import base as hk_base  # the frames: Haiku's per-transform Python state
 from haiku._src.lift import LiftingModule  # the plumbing of hk.lift and layer_stack
 
-from ..._engine import _context, _jax, _methods
-from ..._engine._errors import HookError
+from ..._engine import BatchTracer, origin, site_methods
+from ..._errors import HookError
 from ._names import haiku_path, is_internal, params_path
 
 
@@ -40,7 +40,7 @@ class Transforms:
         # of user modules are calls. Calls inside a lift's call make params, not the
         # model's output.
         if methods is None:
-            wanted = method == "__call__" or method in _methods.site_methods(type(module), hk.Module)
+            wanted = method == "__call__" or method in site_methods(type(module), hk.Module)
         else:
             wanted = method in methods
         if not wanted or isinstance(module, LiftingModule) or self.lifting or is_internal(module.module_name):
@@ -94,7 +94,7 @@ def _array(leaf: Any) -> Any:
     """The array of the call that `leaf` stands for: the model's own, through the bodies
     the engine threads, and a batch tracer's value (a vmap the engine does not thread,
     as in `haiku_names`, maps its inputs along axis 0 into tracers holding them)."""
-    leaf = _context.origin(leaf)
-    while isinstance(leaf, _jax.BatchTracer):
+    leaf = origin(leaf)
+    while isinstance(leaf, BatchTracer):
         leaf = leaf.val
     return leaf

@@ -17,7 +17,7 @@ records logs.
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 from flax.core import axes_scan
@@ -26,18 +26,28 @@ from flax.linen import (
     module as linen_module,  # its `_context`: the modules being called
 )
 
-from ..._engine import _context, _inner_sites, _methods, _patching, _routes, _shape_pass, _sown, _threads
+from ..._engine import (
+    ORIGINAL,
+    AbstractConverted,
+    ThreadStack,
+    active,
+    call_site,
+    patched,
+    register_shape_pass_save,
+    register_weights_function,
+    silenced,
+    site_methods,
+    snapshot_containers,
+    sown_patches,
+)
 from ._variables import Path
-
-if TYPE_CHECKING:  # for types only: `_module` imports this module
-    from ._module import LinenModule
 
 # Linen's `dot_product_attention` (the default `attention_fn` of
 # `MultiHeadDotProductAttention` and `SelfAttention`, decode mode included), and models
 # that write their own attention (Hugging Face's), form the weights `(..., heads, q, k)`
 # with `dot_product_attention_weights`, dropout included: that call is the attention
 # layer's `.weights` site.
-_routes.register_weights_function(linen_attention.dot_product_attention_weights)
+register_weights_function(linen_attention.dot_product_attention_weights)
 
 
 def _save_linen_state() -> Callable[[], None]:
@@ -71,7 +81,7 @@ def _save_linen_state() -> Callable[[], None]:
         reservations = scope.reservations
         for container in (state.autoname_cursor, state.children, reservations, *reservations.values()):
             held[id(container)] = container
-    restore_containers = _shape_pass.containers(held.values())
+    restore_containers = snapshot_containers(held.values())
 
     def restore() -> None:
         restore_containers()
@@ -81,24 +91,25 @@ def _save_linen_state() -> Callable[[], None]:
     return restore
 
 
-_shape_pass.register(_save_linen_state)
+register_shape_pass_save(_save_linen_state)
 
 # The hooked `LinenModule` calls running in this thread, innermost last.
-_intercepting = _threads.ThreadStack()
+_intercepting = ThreadStack()
 # The `nn.map_variables` wrappers whose modules are running in this thread (class names).
-mapping_in_thread = _threads.ThreadStack()
+mapping_in_thread = ThreadStack()
 
 
-def intercepted(owner: "LinenModule", apply: Callable[[], Any]) -> Any:
-    """Run `apply` (a call of `owner`'s `module.apply`) with every selected submodule
-    call a call site of `owner`."""
-    state = _Interception(owner)
+def intercepted(owner: AbstractConverted, methods: tuple[str, ...] | None, apply: Callable[[], Any]) -> Any:
+    """Run `apply` (a call of `owner`'s `module.apply`, a `LinenModule`) with every
+    selected submodule call a call site of `owner`: a call of one of `methods` (every
+    `__call__` and site method when `None`)."""
+    state = _Interception(owner, methods)
     patches = [
         (axes_scan, "scan", _scan_with_silent_prepass),
         (nn.Module, "apply", _nested_apply),
-        *_sown.sown_patches(nn.Module, _locate),
+        *sown_patches(nn.Module, _locate),
     ]
-    with _patching.patched(patches), nn.intercept_methods(state.intercept):
+    with patched(patches), nn.intercept_methods(state.intercept):
         _intercepting.items.append(state)
         try:
             return apply()
@@ -110,7 +121,8 @@ def intercepted(owner: "LinenModule", apply: Callable[[], Any]) -> Any:
 class _Interception:
     """One hooked call of one `LinenModule`: its interceptor."""
 
-    owner: "LinenModule"
+    owner: AbstractConverted
+    methods: tuple[str, ...] | None
     # The modules whose hooked methods are running (the root's included), outermost
     # first, with the paths their calls got.
     running: list[tuple[nn.Module, Path]] = dataclasses.field(default_factory=list)
@@ -134,7 +146,7 @@ class _Interception:
         module = context.module
         # Lifted-transform wrappers run under other method names; nn.scan's pre-pass is
         # not a call.
-        if not self._is_site(module, context.method_name) or _inner_sites.silenced.items:
+        if not self._is_site(module, context.method_name) or silenced.items:
             if _maps_variables(module):
                 # It runs the module it wraps (a clone, under its own name) afterwards;
                 # wrapping the root, every module.
@@ -147,15 +159,15 @@ class _Interception:
         mapping_in_thread.items.extend(wrappers)
         try:
             method = None if context.method_name == "__call__" else context.method_name
-            return _context.call_site(self.owner, next_f, args, kwargs, local=local, module=module, member=method)
+            return call_site(self.owner, next_f, args, kwargs, local=local, module=module, member=method)
         finally:
             del mapping_in_thread.items[len(mapping_in_thread.items) - len(wrappers):]
             self.running.pop()
 
     def _is_site(self, module: nn.Module, method: str) -> bool:
-        if self.owner.methods is not None:
-            return method in self.owner.methods
-        return method == "__call__" or method in _methods.site_methods(type(module), nn.Module)
+        if self.methods is not None:
+            return method in self.methods
+        return method == "__call__" or method in site_methods(type(module), nn.Module)
 
     def path_of(self, module: nn.Module) -> Path:
         """The module's scope path; but a module given the scope of one whose call it
@@ -177,10 +189,10 @@ def _maps_variables(module: nn.Module) -> bool:
     return type(module).__module__ == nn.transforms.__name__ and type(module).__name__.startswith("Map_variables")
 
 
-def _locate(module: nn.Module) -> "tuple[LinenModule, Path] | None":
+def _locate(module: nn.Module) -> tuple[AbstractConverted, Path] | None:
     """The converted model and path of a module sowing during this thread's hooked
     call (`_engine/_sown.py`), or `None` (outside one, or in `nn.scan`'s pre-pass)."""
-    if not _intercepting.items or _inner_sites.silenced.items or not _context.active():
+    if not _intercepting.items or silenced.items or not active():
         return None
     state = _intercepting.items[-1]
     return state.owner, state.path_of(module)
@@ -217,11 +229,11 @@ def _scan_with_silent_prepass(original: Callable) -> Callable:
             if not pending:
                 return fn(*body_args)
             pending.clear()
-            _inner_sites.silenced.items.append(True)
+            silenced.items.append(True)
             try:
                 return fn(*body_args)
             finally:
-                _inner_sites.silenced.items.pop()
+                silenced.items.pop()
 
         scan_fn = original(body, *args, check_constancy_invariants=True, **kwargs)
 
@@ -231,5 +243,5 @@ def _scan_with_silent_prepass(original: Callable) -> Callable:
 
         return scanned
 
-    setattr(scan, _patching.ORIGINAL, original)
+    setattr(scan, ORIGINAL, original)
     return scan

@@ -19,17 +19,21 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ..._engine._declarations import Declarations, Declared, as_stored, at, declare
-from ..._engine._errors import HookError
-from ..._engine._layouts import (
+from ..._engine import (
     Container,
+    Declarations,
+    Declared,
     Layout,
+    as_stored,
+    at,
     axes,
+    declare,
     placed,
     refuse,
     refuse_reparametrised,
     refuse_unread,
 )
+from ..._errors import HookError
 from .._flax import flax_transpose_spec
 from ._variables import Path, node_at, own_variables, replaced, subtree_paths, unboxed, written
 

@@ -8,12 +8,8 @@ import equinox as eqx
 import flax.linen as nn
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..._engine import _context
-from ..._engine._declarations import NO_DECLARATIONS, Declarations
-from ..._engine._errors import HookError
-from ..._engine._kinds import kind_of
-from ..._engine._layouts import Container, Layout
-from ..._engine._paths import AbstractConverted, float_size
+from ..._engine import NO_DECLARATIONS, AbstractConverted, Container, Declarations, Layout, active, float_size, kind_of
+from ..._errors import HookError
 from .._replace import replace
 from ._interception import intercepted, mapping_in_thread
 from ._layouts import Mapped, linen_layout, linen_write
@@ -116,9 +112,9 @@ class LinenModule(AbstractConverted):
                 self.variables, *args, rngs=self.rngs, mutable=self.mutable, **kwargs
             )
 
-        if not _context.active():
+        if not active():
             return apply()
-        return intercepted(self, apply)
+        return intercepted(self, self.methods, apply)
 
     def with_variables(self, updates: Mapping[str, Any]) -> "LinenModule":
         """The same model with some collections replaced (e.g. the `updates` a call with

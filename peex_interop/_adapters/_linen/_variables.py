@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 from flax.linen.spmd import logical_to_mesh_sharding
 
-from ..._engine._layouts import context_mesh, put_like
+from ..._engine import context_mesh, put_like
 
 Path = tuple[str, ...]
 

@@ -18,20 +18,24 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.spmd import get_var_pspec
 
-from ..._engine._declarations import Declarations, Declared, as_stored, at, declare
-from ..._engine._errors import HookError
-from ..._engine._layouts import (
+from ..._engine import (
     AS_STORED,
     Container,
+    Declarations,
+    Declared,
     Layout,
+    as_stored,
+    at,
     axes,
     context_mesh,
+    declare,
     placed,
     put_like,
     refuse,
     refuse_reparametrised,
     refuse_unread,
 )
+from ..._errors import HookError
 from .._flax import flax_transpose_spec
 from ._graph import Path, modules_by_path
 

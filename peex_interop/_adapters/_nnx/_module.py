@@ -8,12 +8,18 @@ import jax.tree_util as jtu
 from flax import nnx
 from jaxtyping import PyTree
 
-from ..._engine import _methods, _patching
-from ..._engine._declarations import NO_DECLARATIONS, Declarations
-from ..._engine._errors import HookError
-from ..._engine._kinds import kind_of
-from ..._engine._layouts import Container, Layout
-from ..._engine._paths import AbstractConverted, float_size
+from ..._engine import (
+    NO_DECLARATIONS,
+    AbstractConverted,
+    Container,
+    Declarations,
+    Layout,
+    defines,
+    float_size,
+    kind_of,
+    site_methods,
+)
+from ..._errors import HookError
 from ._graph import Path, modules_by_path
 from ._layouts import nnx_layout, nnx_write
 from ._routing import routing, with_method_sites
@@ -86,7 +92,7 @@ class NnxModule(AbstractConverted):
         return {
             path: module
             for path, module in modules_by_path(self._merged())
-            if path and _patching.defines(type(module), "__call__")
+            if path and defines(type(module), "__call__")
         }
 
     def method_paths(self) -> tuple[Path, ...]:
@@ -96,7 +102,7 @@ class NnxModule(AbstractConverted):
         with_methods = set(with_method_sites(type(module) for _, module in paths))
         return tuple(
             (*path, name) for path, module in paths if type(module) in with_methods
-            for name in _methods.site_methods(type(module), nnx.Module)
+            for name in site_methods(type(module), nnx.Module)
         )
 
     def parameter_counts(self) -> tuple[int, int]:

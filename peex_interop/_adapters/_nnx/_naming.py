@@ -14,16 +14,13 @@ in this order:
 """
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flax import nnx
 
-from ..._engine import _context
-from ..._engine._errors import HookError
+from ..._engine import AbstractConverted, origin, refuse_if_passed_through
+from ..._errors import HookError
 from ._graph import Path, as_path, variable_values
-
-if TYPE_CHECKING:  # for types only: `_module` imports this module (through `_routing`)
-    from ._module import NnxModule
 
 # The static attribute by which a module of a hooked call carries its NNX path through
 # NNX's transforms: they split their module arguments into a graph definition, which
@@ -38,7 +35,7 @@ PATH_ATTRIBUTE = "_peex_interop_path_{depth}"
 class Call:
     """One hooked call of one `NnxModule`: how its submodules are named."""
 
-    owner: "NnxModule"
+    owner: AbstractConverted  # the `NnxModule` called
     root: nnx.Module
     # The merged modules by id, held so that no id is reused during the call.
     merged: dict[int, nnx.Module]
@@ -73,7 +70,7 @@ class Call:
         return None
 
     def _traced_back(self, module: nnx.Module) -> bool:
-        return any(self._array_paths(_context.origin(value)) for _, value in variable_values(module))
+        return any(self._array_paths(origin(value)) for _, value in variable_values(module))
 
     def _by_arrays(self, module: nnx.Module) -> Path | None:
         # Every array that comes from the model must place the module at one path.
@@ -81,7 +78,7 @@ class Call:
         for relative, value in variable_values(module):
             found = {
                 path[: -len(relative)]
-                for path in self._array_paths(_context.origin(value))
+                for path in self._array_paths(origin(value))
                 if path[-len(relative) :] == relative
             }
             if found:
@@ -109,7 +106,7 @@ class Call:
         return self.arrays.get(id(array), (None, []))[1]
 
     def _refuse_if_passed_through(self, module: nnx.Module) -> None:
-        _context.refuse_if_passed_through(type(module).__name__, [v for _, v in variable_values(module)])
+        refuse_if_passed_through(type(module).__name__, [v for _, v in variable_values(module)])
 
     def _caller(self) -> str:
         return ".".join(self.running[-1][1]) if self.running else ""

@@ -6,27 +6,34 @@ model is replaced for the duration of the call by one that hands the call to
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flax import nnx
 from flax.nnx import bridge
 from flax.nnx.nn import attention as nnx_attention  # its `dot_product_attention_weights`
 
-from ..._engine import _context, _methods, _patching, _routes, _sown, _threads
+from ..._engine import (
+    AbstractConverted,
+    ThreadStack,
+    active,
+    call_patches,
+    call_site,
+    method_call_patches,
+    patched,
+    register_weights_function,
+    sown_patches,
+)
 from ._graph import Path, modules_by_path
 from ._naming import PATH_ATTRIBUTE, Call
-
-if TYPE_CHECKING:  # for types only: `_module` imports this module
-    from ._module import NnxModule
 
 # NNX's `dot_product_attention` (the default `attention_fn` of `MultiHeadAttention`)
 # forms the weights `(..., heads, q, k)` with its module's
 # `dot_product_attention_weights` when it has dropout or sows them, else it calls
 # `jax.nn.dot_product_attention` (whose weights site is the engine's, `_attention.py`).
-_routes.register_weights_function(nnx_attention.dot_product_attention_weights)
+register_weights_function(nnx_attention.dot_product_attention_weights)
 
 # The NNX calls in progress in this thread, innermost last.
-_calls = _threads.ThreadStack()
+_calls = ThreadStack()
 
 
 def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
@@ -35,13 +42,13 @@ def _route(original: Callable, module: nnx.Module, args: tuple, kwargs: dict) ->
 
 def _route_method(original: Callable, module: nnx.Module, method: str | None, args: tuple, kwargs: dict) -> Any:
     calls = _calls.items
-    if not calls or not _context.active():
+    if not calls or not active():
         return original(module, *args, **kwargs)
     call = calls[-1]
     path = call.path_of(module)
     call.running.append((module, path))
     try:
-        return _context.call_site(
+        return call_site(
             call.owner, functools.partial(original, module), args, kwargs,
             local=path, module=module, member=method,
         )
@@ -49,11 +56,11 @@ def _route_method(original: Callable, module: nnx.Module, method: str | None, ar
         call.running.pop()
 
 
-def _locate(module: nnx.Module) -> "tuple[NnxModule, Path] | None":
+def _locate(module: nnx.Module) -> tuple[AbstractConverted, Path] | None:
     """The converted model and path of a module sowing during this thread's hooked
     call (`_engine/_sown.py`), or `None` outside one."""
     calls = _calls.items
-    if not calls or not _context.active():
+    if not calls or not active():
         return None
     return calls[-1].owner, calls[-1].path_of(module)
 
@@ -64,10 +71,10 @@ def with_method_sites(types: Iterable[type]) -> list[type]:
 
 
 @contextlib.contextmanager
-def routing(owner: "NnxModule", root: nnx.Module) -> Iterator[None]:
+def routing(owner: AbstractConverted, root: nnx.Module) -> Iterator[None]:
     """While hooking is active in this thread, route the NNX submodule calls of one
     `NnxModule` call to call sites; otherwise a plain call costs nothing."""
-    if not _context.active():
+    if not active():
         yield
         return
     paths = modules_by_path(root)
@@ -81,11 +88,11 @@ def routing(owner: "NnxModule", root: nnx.Module) -> Iterator[None]:
             if not isinstance(module, bridge.ToNNX):
                 setattr(module, call.attribute, path)
         patches = [
-            *_patching.call_patches(types, _route),
-            *_methods.method_call_patches(with_method_sites(types), nnx.Module, _route_method),
-            *_sown.sown_patches(nnx.Module, _locate),
+            *call_patches(types, _route),
+            *method_call_patches(with_method_sites(types), nnx.Module, _route_method),
+            *sown_patches(nnx.Module, _locate),
         ]
-        with _patching.patched(patches):
+        with patched(patches):
             calls.append(call)
             try:
                 yield

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ..._engine._pooling import AbstractPooled
+from ..._engine import AbstractPooled
 from ._pooled import _EDGES, _SUM
 
 

@@ -12,7 +12,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
-from ..._engine._sites import CallSite
+from ..._engine import CallSite
 from ._histogram import Histogram
 from ._statistic_logs import _AbstractStatisticLog, _kept_axes, _leafwise
 from ._when_due import _real_cond, _when_due

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import core
 
-from ..._engine._pooling import is_pooled, pool_log
+from ..._engine import is_pooled, pool_log
 from .._packing import PackedLog, num_leading_axes
 from ._histogram import Histogram, _refuse_kept, _unshared
 from ._pooled import (

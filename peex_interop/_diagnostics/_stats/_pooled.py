@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ..._engine._pooling import AbstractPooled
+from ..._engine import AbstractPooled
 
 # How each field of a statistic pools over a leading axis: the mean of the groups'; the
 # sums of a spread (`_Spread`: differences from a shift, and their squares, and the

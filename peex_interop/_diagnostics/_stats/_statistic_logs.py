@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array
 
-from ..._engine._pooling import mapped_vmaps
-from ..._engine._sites import CallSite
-from ..._hooks._logs import AbstractLog, MeanLog, plain_containers
+from ..._engine import CallSite, mapped_vmaps
+from ..._hooks import AbstractLog, MeanLog, plain_containers
 from .._packing import PackedLog
 from ._pooled import _Average, _Max, _Norm, _Spread
 from ._sums import _Sums

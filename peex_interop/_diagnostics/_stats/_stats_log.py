@@ -9,9 +9,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import Array
 
-from ..._engine._pooling import AbstractPooled, is_pooled
-from ..._engine._sites import CallSite
-from ..._hooks._logs import AbstractLog, MeanLog, plain_containers
+from ..._engine import AbstractPooled, CallSite, is_pooled
+from ..._hooks import AbstractLog, MeanLog, plain_containers
 from .._packing import PackedLog, Packing, num_leading_axes
 from ._histogram_log import HistogramLog
 from ._statistic_logs import NearZeroLog, StdLog, _AbstractStatisticLog, _kept_axes, _terms_of

@@ -13,9 +13,7 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import ArrayLike, Bool
 
-from ..._engine._patching import entry_point
-from ..._engine._shapes import zeros_like
-from ..._engine._threads import ThreadStack
+from ..._engine import ThreadStack, entry_point, zeros_like
 
 # Bound before hooking patches `jax.lax.cond`, `jax.eval_shape` and `jax.jit`: skipping
 # or compiling a statistic (or choosing how a histogram bins its values) is no model
