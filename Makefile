@@ -63,6 +63,7 @@ docs: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check peex_interop tests examples benchmarks
 	$(VENV)/bin/pyright peex_interop
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --out docs/benchmarks.md
