@@ -34,6 +34,7 @@ from .._engine import (
     ThreadStack,
     as_stored,
     at,
+    attention_sites_wanted,
     axes,
     call_patches,
     call_site,
@@ -55,7 +56,6 @@ from .._engine import (
     register_shape_pass_save,
     running_layer,
     walk,
-    wanted,
 )
 
 # Equinox's built-in layers, by library-independent kind (`px.KINDS`).
@@ -137,7 +137,7 @@ def _attention_jax(jax_module: Any) -> ModuleView:
         if (
             per_head and in_axes == 1 and out_axes == 1 and not (args or kwargs)
             and isinstance(running_layer(), eqx.nn.MultiheadAttention)
-            and wanted(*WEIGHTS)
+            and attention_sites_wanted()
         ):
             return functools.partial(_all_heads, vmap, fun.keywords)
         return vmap(fun, in_axes, out_axes, *args, **kwargs)

@@ -24,7 +24,6 @@ from ._declarations import (
 )
 from ._function_sites import (
     FunctionSites as FunctionSites,
-    declared_sites as declared_sites,
     function_sites as function_sites,
 )
 from ._hook_context import HookContext as HookContext
@@ -32,10 +31,10 @@ from ._hooking import Native as Native, hooking as hooking, register_native as r
 from ._inner_sites import (
     WEIGHTS as WEIGHTS,
     ModuleView as ModuleView,
+    attention_sites_wanted as attention_sites_wanted,
     inner_site as inner_site,
     running_layer as running_layer,
     silenced as silenced,
-    wanted as wanted,
 )
 from ._jax import TANGENT_SURVIVES_CUSTOM_VJP_IN_SCAN as TANGENT_SURVIVES_CUSTOM_VJP_IN_SCAN, BatchTracer as BatchTracer
 from ._kinds import (
@@ -47,6 +46,7 @@ from ._kinds import (
     SOWN as SOWN,
     kind_of as kind_of,
 )
+from ._known_paths import inner_site_names as inner_site_names
 from ._layouts import (
     AS_STORED as AS_STORED,
     Container as Container,

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._errors import HookError
 from . import _jax
-from ._inner_sites import WEIGHTS, inner_site, running_path, wanted
+from ._inner_sites import WEIGHTS, attention_sites_wanted, inner_site, running_path
 
 
 def _explicit(original: Any) -> Any:
@@ -32,16 +32,16 @@ def _explicit(original: Any) -> Any:
             key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
             implementation=implementation, return_residual=return_residual,
         )
-        if not wanted(*WEIGHTS):
+        if not attention_sites_wanted():
             return original(query, key, value, bias, mask, **options)
         fused = implementation not in (None, "xla")
         if fused or return_residual:
             reason = f"implementation={implementation!r}" if fused else "return_residual=True"
             raise HookError(
-                f"layer {running_path()!r} selects the attention weights of its "
+                f"layer {running_path()!r} selects a site formed with the attention weights of its "
                 f"jax.nn.dot_product_attention call, which with {reason} are never formed "
-                "(a fused kernel): they cannot be a site. Use "
-                "implementation=None or 'xla', or exclude the weights from the selection."
+                "(a fused kernel): they cannot be a site. Use implementation=None or 'xla', or "
+                "exclude the attention's sites from the selection."
             )
         return _with_weights(query, key, value, bias, mask, options)
 

@@ -12,17 +12,68 @@ them (`Selection.inner`), so they change no existing selection's logs.
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._context import active
 from ._kinds import MEMBERS
 from ._paths import join
-from ._selection import ATTENTION_WEIGHTS
-from ._sites import InnerCall
+from ._sites import Frame, InnerCall
 from ._threads import ThreadStack
 
-# (name, kind) of the attention weights site of every attention, in every library.
-WEIGHTS = (ATTENTION_WEIGHTS, "attention_weights")
+
+class InnerKind(NamedTuple):
+    """A kind of site inside a layer: its last path segment and its kind (`px.KINDS`)."""
+
+    name: str
+    kind: str
+
+
+# The attention weights site of every attention, in every library (`_routes.py`,
+# `_attention.py`, the adapters' own attention code).
+WEIGHTS = InnerKind("weights", "attention_weights")
+
+# The sites every attention layer has inside it, formed where it forms its weights:
+# the weights, and the sites registered with `attention_argument_site`.
+_attention_sites: list[InnerKind] = [WEIGHTS]
+# `(function, argument position, kind)`: see `attention_argument_site`.
+_argument_sites: list[tuple[Callable, int, InnerKind]] = []
+
+
+def attention_argument_site(kind: InnerKind, function: Callable, position: int) -> None:
+    """Make one argument of `function` a site of every attention layer: where the layer
+    forms its weights (its weights function is `function`, or calls it), the argument at
+    `position` of each call of `function` is the site `<attention>.<kind.name>`. A new
+    kind of attention site is this one registration (`_attention_scores.py`), for every
+    library and every attention written in one; `function` must be one whose calls are
+    routed while hooking (`_routes.register_weights_function`)."""
+    _attention_sites.append(kind)
+    _argument_sites.append((function, position, kind))
+
+
+def attention_site_names() -> set[str]:
+    """The last path segments of the sites inside every attention layer."""
+    return {kind.name for kind in _attention_sites}
+
+
+def attention_sites_wanted() -> bool:
+    """Whether some active context would select a site inside the attention layer
+    running now: it must then form its weights where the engine sees them."""
+    return any(wanted(*kind) for kind in _attention_sites)
+
+
+def with_argument_sites(function: Callable, args: tuple) -> tuple:
+    """`args` of a call of `function` made while an attention layer forms its weights,
+    with each argument registered as a site (`attention_argument_site`) run as that
+    site where it is wanted."""
+    for registered, position, kind in _argument_sites:
+        if registered is function and len(args) > position and wanted(*kind):
+            site = inner_site(*kind, _same, (args[position],), {})
+            args = (*args[:position], site, *args[position + 1 :])
+    return args
+
+
+def _same(value: Any) -> Any:
+    return value
 
 # Calls made in this thread in a trace that is thrown away (linen's `nn.scan` pre-pass)
 # are no sites: inside it, the layer running is not the one that makes the calls.
@@ -46,9 +97,9 @@ def inner_site(name: str, kind: str, call: Callable[..., Any], args: tuple, kwar
     run = call
     # Innermost context first, so its hooks sit closest to the call.
     for context in reversed(active()):
-        if not context.frames:
+        frame = _layer_frame(context.frames)
+        if frame is None:
             continue
-        frame = context.frames[-1]
         site = InnerCall(frame.module, name, kind)
         # Inside a method site (`embedder.attend`), a site of its layer (`embedder`).
         layer_local = frame.local[:-1] if frame.kind in MEMBERS else frame.local
@@ -63,10 +114,9 @@ def wanted(name: str, kind: str) -> bool:
     now: for adapters that form a value only when it is wanted (attention weights that
     the library's own code computes fused, or per head)."""
     for context in active():
-        if context.frames:
-            frame = context.frames[-1]
-            if context.would_select(join(frame.layer, name), InnerCall(frame.module, name, kind)):
-                return True
+        frame = _layer_frame(context.frames)
+        if frame is not None and context.would_select(join(frame.layer, name), InnerCall(frame.module, name, kind)):
+            return True
     return False
 
 
@@ -74,15 +124,24 @@ def running_layer() -> Any:
     """The library module of the layer running now in the innermost active context
     (`None` outside any)."""
     contexts = active()
-    if not contexts or not contexts[-1].frames:
-        return None
-    return contexts[-1].frames[-1].module
+    frame = _layer_frame(contexts[-1].frames) if contexts else None
+    return None if frame is None else frame.module
 
 
 def running_path() -> str | None:
     """The path of the layer running now in the innermost active context, for errors."""
     contexts = active()
-    return contexts[-1].frames[-1].layer if contexts and contexts[-1].frames else None
+    frame = _layer_frame(contexts[-1].frames) if contexts else None
+    return None if frame is None else frame.layer
+
+
+def _layer_frame(frames: list[Frame]) -> Frame | None:
+    """The innermost layer call running: a site inside a layer (the attention weights
+    being formed) makes sites of that layer, not of itself (`attn.scores`)."""
+    for frame in reversed(frames):
+        if not isinstance(frame.module, InnerCall):
+            return frame
+    return None
 
 
 class ModuleView:

@@ -40,8 +40,9 @@ from typing import Any
 import jax.tree_util as jtu
 
 from ._function_sites import declared_sites
+from ._inner_sites import attention_site_names
 from ._paths import AbstractConverted, join
-from ._selection import ATTENTION_WEIGHTS, glob_to_regex
+from ._selection import glob_to_regex
 
 # How many converted models the registry remembers (the least recently used go first).
 _LIMIT = 256
@@ -109,7 +110,7 @@ class Known:
                 self.layers |= {join(*path, local) for local in _reached_by(model)}
                 self.methods |= {join(*path, *local) for local in model.method_paths()}
         self.layers.discard("")
-        self.site_names = {ATTENTION_WEIGHTS, *declared_sites(root)}
+        self.site_names = inner_site_names(root)
         # Every call's path and the paths above it: what ran, or ran something inside.
         self.ran = {".".join(parts[:end]) for parts in (p.split(".") for p in seen) for end in range(len(parts) + 1)}
         self.any_layer_ran = any(seen)
@@ -138,3 +139,9 @@ class Known:
             layers = [path for path in self.layers if glob_to_regex(rest).match(path)]
             return bool(layers) and not any(path in self.ran for path in layers)
         return all(self._did_not_run(path) for path in named)
+
+
+def inner_site_names(root: Any) -> set[str]:
+    """The last path segments of the sites inside the layers of `root`: every
+    attention's (`attn.weights`), and the functions its `px.function_sites` name."""
+    return {*attention_site_names(), *declared_sites(root)}

@@ -40,7 +40,7 @@ from .._errors import HookError
 from . import _patching
 from ._bindings import bindings
 from ._context import active
-from ._inner_sites import WEIGHTS, inner_site, silenced, wanted
+from ._inner_sites import WEIGHTS, attention_sites_wanted, inner_site, silenced, with_argument_sites
 from ._sites import InnerCall
 from ._threads import ThreadStack
 
@@ -79,17 +79,27 @@ def route(function: Callable, original: Callable, args: tuple, kwargs: dict) -> 
         return original(*args, **kwargs)
     frame = contexts[-1].frames[-1]
     if isinstance(frame.module, InnerCall):
-        return original(*args, **kwargs)  # a call inside a site is that site's own
+        # A call inside a site is that site's own; inside attention weights being
+        # formed, its arguments may be sites of the attention (the softmax's scores).
+        if frame.module.kind == WEIGHTS.kind:
+            args = with_argument_sites(function, args)
+        return original(*args, **kwargs)
     weights = id(function) in _weights_functions and is_attention_layer(frame.kind, frame.module)
-    if weights and wanted(*WEIGHTS):
+    if weights and attention_sites_wanted():
         # One call, one site: named by a `px.function_sites` too, it is the weights.
         _refuse_a_second_time(frame, function)
-        return inner_site(*WEIGHTS, original, args, kwargs)
+        return inner_site(*WEIGHTS, functools.partial(_forming, function, original), args, kwargs)
     for names in reversed(_named.items):
         name = names.get(id(function))
         if name is not None:
             return inner_site(name, "function", original, args, kwargs)
     return original(*args, **kwargs)
+
+
+def _forming(function: Callable, original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The weights site's own call of `function` (`jax.nn.softmax` itself, in Gemma),
+    whose arguments may be sites of the attention too."""
+    return original(*with_argument_sites(function, args), **kwargs)
 
 
 def _refuse_a_second_time(frame: Any, function: Callable) -> None:

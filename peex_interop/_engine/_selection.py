@@ -4,7 +4,7 @@ import dataclasses
 import difflib
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._errors import HookError
@@ -197,17 +197,17 @@ class Selection:
         return [p for p in patterns if may_name_a_step(p)]
 
     def validate(
-        self, modules: dict[str, Any], model_name: str, inner_names: Sequence[str] = (), methods: Sequence[str] = (),
+        self, modules: dict[str, Any], model_name: str, inner_names: Iterable[str] = (), methods: Sequence[str] = (),
         sows: bool = False,
     ) -> None:
         """Every name and pattern must match some layer, method site (`methods`: their
-        paths) or name a site inside a layer (attention weights, or one of
-        `inner_names`; any name where the model's layers may sow values, `sows`, which
-        only the call tells): a typo must not silently log nothing. Predicates cannot
-        be checked ahead of the call."""
+        paths) or name a site inside a layer (one of `inner_names`: an attention's
+        `weights`, a function's; any name where the model's layers may sow values,
+        `sows`, which only the call tells): a typo must not silently log nothing.
+        Predicates cannot be checked ahead of the call."""
         paths = [path for path in modules if path]
         sites = [*paths, *methods]
-        inner = {ATTENTION_WEIGHTS, *inner_names}
+        inner = set(inner_names)
         for source, _ in self.renames:
             if not source or (source not in modules and source not in methods):
                 raise HookError(_no_match("rename= path", source, sites, model_name))
@@ -247,10 +247,6 @@ def names_inner(criterion: Any) -> bool:
     if isinstance(criterion, AllOf):
         return any(names_inner(c) for c in criterion.criteria)
     return False
-
-
-# The last segment of every attention's weights site (`_inner_sites.py`).
-ATTENTION_WEIGHTS = "weights"
 
 
 def could_be_inner(pattern: str, paths: list[str], names: set[str], any_name: bool = False) -> bool:

@@ -12,7 +12,7 @@ from .._engine import (
     Selection,
     Where,
     check_model,
-    declared_sites,
+    inner_site_names,
     known_method_paths,
     known_module_paths,
     needs_indices,
@@ -67,6 +67,6 @@ def selection_fields(
     if modules is not None:
         sows = any(isinstance(node, AbstractConverted) and node.sows for _, node in walk(model))
         selection.validate(
-            modules, type(model).__name__, declared_sites(model), known_method_paths(model), sows
+            modules, type(model).__name__, inner_site_names(model), known_method_paths(model), sows
         )
     return selection
