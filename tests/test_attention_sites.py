@@ -191,6 +191,56 @@ def test_the_cotangent_of_the_weights_is_the_vjp_of_the_rest(case, x):
     close(grads.log["attn.weights"], vjp(r)[0])
 
 
+def test_scores_are_what_the_softmax_forming_the_weights_receives(case, x):
+    # `.scores` (TransformerLens's hook_attn_scores) and `.weights` in one pass.
+    hooked = px.ForwardHook(case.model, log_fn=px.IdentityLog(), where=["attn.weights", "attn.scores", case.q, case.k])
+    out, log = jitted(hooked, x)
+    close(out, case.model(x))
+    q, k = case.heads(log[case.q]), case.heads(log[case.k])
+    expected = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD)
+    scores = log["attn.scores"]
+    assert scores.shape == (B, H, T, T)
+    # Each library masks with a value of its own: the masked entries are far below.
+    close(jnp.where(causal(), scores, 0.0), jnp.where(causal(), expected, 0.0))
+    assert np.all(np.asarray(scores)[..., ~np.asarray(causal())] <= -1e9)
+    close(log["attn.weights"], jax.nn.softmax(scores, axis=-1))
+    # Selected alone, and left out of `where=None`.
+    assert set(jitted(px.ForwardHook(case.model, log_fn=px.IdentityLog(), where="attn.scores"), x)[1]) == {
+        "attn.scores"
+    }
+    assert "attn.scores" not in px.ForwardHook(case.model, log_fn=px.IdentityLog())(x)[1]
+
+
+def test_edited_scores_change_the_weights_as_the_softmax_predicts(case, x):
+    scores = px.ForwardHook(case.model, log_fn=px.IdentityLog(), where="attn.scores")(x)[1]["attn.scores"]
+
+    def edit(s):  # the first key seen more by every query
+        return s.at[..., 0].add(2.0)
+
+    hooked = px.ForwardHook(
+        case.model, hook_fn=px.HookMap({"attn.scores": edit}), log_fn=px.IdentityLog(),
+        where=["attn.scores", "attn.weights"],
+    )
+    out, log = jitted(hooked, x)
+    close(log["attn.scores"], edit(scores))
+    close(log["attn.weights"], jax.nn.softmax(edit(scores), axis=-1))
+    assert not np.allclose(out, case.model(x), atol=1e-4)
+
+
+def test_the_cotangent_of_the_scores_is_the_gradient_of_an_added_delta(case, x):
+    r = jax.random.normal(jax.random.key(2), (B, T, D))
+    hooked = px.BackwardHook(case.model, log_fn=px.IdentityLog(), where="attn.scores").init(x)
+    with jax.checking_leaks():
+        grads = eqx.filter_jit(eqx.filter_grad(lambda hooked: jnp.sum(hooked(x) * r)))(hooked)
+    scores = px.ForwardHook(case.model, log_fn=px.IdentityLog(), where="attn.scores")(x)[1]["attn.scores"]
+
+    def with_delta(delta):
+        added = px.ForwardHook(case.model, hook_fn=lambda s, site: s + delta[site.log_index], where="attn.scores")
+        return jnp.sum(added(x)[0] * r)
+
+    close(grads.log["attn.scores"], jax.grad(with_delta)(jnp.zeros_like(scores)))
+
+
 def test_one_step_of_a_scanned_stack():
     model, ids = transformer(num_blocks=3), tokens(seq=T)
     one = px.ForwardHook(model, log_fn=px.IdentityLog(), hook_fn=lambda w: w * 0, where="blocks.1.attn.weights")

@@ -83,6 +83,40 @@ def test_weights_of_the_models_own_attention_equal_its_output_attentions(hf_case
         close(jitted_log[case["attention"].format(i) + ".weights"], reference.attentions[i], tol=1e-6)
 
 
+def gpt2_scores(log, block):
+    """GPT-2's scores from its logged `c_attn` output: the scaled query-key products
+    plus the causal bias its attention adds (`finfo.min` where masked)."""
+    query, key, _ = jnp.split(log[f"transformer.h.{block}.attn.c_attn"], 3, axis=-1)
+    query, key = (a.reshape(*a.shape[:2], HEADS, HEAD_DIM) for a in (query, key))
+    products = jnp.einsum("bqhd,bkhd->bhqk", query / np.sqrt(HEAD_DIM), key)
+    return products + jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0, jnp.finfo(products.dtype).min)
+
+
+def test_gpt2_scores_and_weights_in_one_pass_and_an_edit_of_the_scores(gpt2):
+    hf, model, args = gpt2
+    reference = hf.module.apply({"params": hf.params}, *args, output_attentions=True)
+    hooked = px.ForwardHook(model, log_fn=px.IdentityLog(), where=["**.weights", "**.scores", "**.c_attn"])
+    out, log = jitted(hooked, *args)
+    close(out.logits, reference.logits, tol=1e-6)
+    for i in range(LAYERS):
+        scores = log[f"transformer.h.{i}.attn.scores"]
+        close(scores, gpt2_scores(log, i), tol=1e-5)
+        close(log[f"transformer.h.{i}.attn.weights"], jax.nn.softmax(scores, axis=-1), tol=1e-6)
+        close(log[f"transformer.h.{i}.attn.weights"], reference.attentions[i], tol=1e-6)
+
+    def edit(s):  # the first token seen less by every query of head 1
+        return s.at[:, 1, :, 0].add(-2.0)
+
+    site = "transformer.h.0.attn"
+    edited = px.ForwardHook(
+        model, hook_fn=px.HookMap({f"{site}.scores": edit}), log_fn=px.IdentityLog(),
+        where=[f"{site}.scores", f"{site}.weights"],
+    )
+    out, edited_log = jitted(edited, *args)
+    close(edited_log[f"{site}.weights"], jax.nn.softmax(edit(log[f"{site}.scores"]), axis=-1), tol=1e-6)
+    assert not np.allclose(out.logits, reference.logits, atol=1e-4)
+
+
 def _without_head(case, params, block, head):
     """The params with `head`'s slice of `block`'s attention output projection zeroed."""
     params = jax.tree.map(lambda x: x, params)  # new dicts, shared arrays
@@ -143,9 +177,9 @@ def gemma(**config):
     return model, (tokens, jnp.arange(T)[None], None, gemma_like.causal_mask(T))
 
 
-def recomputed_weights(attention, qkv, positions, mask):
-    """The weights of a Gemma attention from its logged projection outputs, computed
-    here as the example's attention computes them."""
+def recomputed_scores(attention, qkv, positions, mask):
+    """The scores of a Gemma attention (what its softmax receives) from its logged
+    projection outputs, computed here as the example's attention computes them."""
     if attention.use_qkv_einsum:
         query, key, _ = qkv
     else:
@@ -154,7 +188,7 @@ def recomputed_weights(attention, qkv, positions, mask):
     key = gemma_like.apply_rope(key, positions)
     key = jnp.repeat(key, query.shape[2] // key.shape[2], axis=2)
     logits = jnp.einsum("BTNH,BSNH->BTNS", query, key)
-    return jax.nn.softmax(jnp.where(mask[:, :, None, :], logits, gemma_like.K_MASK), axis=-1)
+    return jnp.where(mask[:, :, None, :], logits, gemma_like.K_MASK)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["qkv_einsum", "grouped"])
@@ -168,12 +202,32 @@ def test_gemma_logits_projection_and_own_attention(kv_heads):
     assert "embedder.encode" in log
 
     projections = "qkv_einsum" if kv_heads == 2 else ["q_einsum", "kv_einsum"]
-    where = ["**.weights", *(f"**.{p}" for p in np.atleast_1d(projections))]
+    where = ["**.weights", "**.scores", *(f"**.{p}" for p in np.atleast_1d(projections))]
     _, log = jitted(px.ForwardHook(converted, log_fn=px.IdentityLog(), where=where), *args)
     for i, layer in enumerate(model.layers):
         qkv = log[f"layers.{i}.attn.qkv_einsum"] if kv_heads == 2 else (
             log[f"layers.{i}.attn.q_einsum"], log[f"layers.{i}.attn.kv_einsum"])
-        close(log[f"layers.{i}.attn.weights"], recomputed_weights(layer.attn, qkv, args[1], args[3]), tol=1e-6)
+        scores = recomputed_scores(layer.attn, qkv, args[1], args[3])  # (B, T, N, S): the model's layout
+        close(log[f"layers.{i}.attn.scores"], scores, tol=1e-6)
+        close(log[f"layers.{i}.attn.weights"], jax.nn.softmax(scores, axis=-1), tol=1e-6)
+
+
+def test_gemma_scores_edited_change_the_weights_as_the_softmax_predicts():
+    model, args = gemma()
+    converted = px.from_nnx(model)
+    site = "layers.1.attn"
+    scores = px.ForwardHook(converted, log_fn=px.IdentityLog(), where=f"{site}.scores")(*args)[1][f"{site}.scores"]
+
+    def edit(s):  # head 0 sees the first token more, from every query
+        return s.at[:, :, 0, 0].add(3.0)
+
+    hooked = px.ForwardHook(
+        converted, hook_fn=px.HookMap({f"{site}.scores": edit}), log_fn=px.IdentityLog(),
+        where=[f"{site}.scores", f"{site}.weights"],
+    )
+    out, log = jitted(hooked, *args)
+    close(log[f"{site}.weights"], jax.nn.softmax(edit(scores), axis=-1), tol=1e-6)
+    assert not np.allclose(out[0], model(*args)[0], atol=1e-4)
 
 
 def test_gemma_head_zeroed_through_its_weights_is_the_model_without_that_heads_output():

@@ -8,6 +8,7 @@ import jax
 
 from . import _patching
 from ._attention import attention_patches
+from ._attention_scores import SCORES  # noqa: F401  (the scores site registers itself on import)
 from ._closed_world import check_reached
 from ._context import entered
 from ._hook_context import HookContext, Policy

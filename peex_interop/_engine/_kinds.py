@@ -9,7 +9,7 @@ from typing import Any
 KINDS = (
     "linear", "conv", "attention", "norm", "embedding", "dropout", "recurrent",
     "pool", "activation", "container", "other", "method", "sown", "perturbation",
-    "attention_weights", "function",
+    "attention_weights", "attention_scores", "function",
 )
 
 # The kind of a call of a layer's method other than `__call__` (`embedder.attend`,
@@ -22,9 +22,9 @@ SOWN, PERTURBATION = "sown", "perturbation"
 # the layer's (its parameters, the sites inside it).
 MEMBERS = (METHOD, SOWN, PERTURBATION)
 
-# Kinds of sites *inside* a layer (`_engine/_inner_sites.py`): attention weights, and
-# calls of functions named with `px.function_sites`.
-INNER_KINDS = ("attention_weights", "function")
+# Kinds of sites *inside* a layer (`_engine/_inner_sites.py`): attention weights and
+# scores, and calls of functions named with `px.function_sites`.
+INNER_KINDS = ("attention_weights", "attention_scores", "function")
 
 
 def kind_of(module: Any, table: dict[type, str]) -> str:
