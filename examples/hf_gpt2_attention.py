@@ -4,8 +4,10 @@ the token embedding), its activation from a table of partials (`ACT2FN`).
 
 A tiny random GPT-2 (no download): every block's attention weights through the
 `.weights` site equal the model's own `output_attentions`; the logits are the
-`lm_head` site; one head is ablated through its weights; and the MLP's `gelu` is a site
-named with `px.function_sites`, though the model reaches it through a partial.
+`lm_head` site; the `.scores` (what the softmax receives, TransformerLens's
+`hook_attn_scores`) come in the same pass; one head is ablated through its weights; and
+the MLP's `gelu` is a site named with `px.function_sites`, though the model reaches it
+through a partial.
 """
 
 import warnings
@@ -30,10 +32,13 @@ def main():
 
     # The linen module as Hugging Face wrote it, with its params.
     model = px.from_linen(hf_model.module, {"params": hf_model.params})
-    logits, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where=["**.weights", "lm_head"])(ids, mask, positions)
+    where = ["**.weights", "**.scores", "lm_head"]
+    logits, log = px.ForwardHook(model, log_fn=px.IdentityLog(), where=where)(ids, mask, positions)
     for block in range(config.n_layer):
         pattern = log[f"transformer.h.{block}.attn.weights"]  # (batch, head, query, key)
         np.testing.assert_array_equal(pattern, reference.attentions[block])
+        scores = log[f"transformer.h.{block}.attn.scores"]  # the causal mask added: finfo.min above it
+        np.testing.assert_allclose(jax.nn.softmax(scores, axis=-1), pattern, atol=1e-6)
         print(f"block {block}: heads attend to the previous token with weight", np.round(
             np.diagonal(pattern[0], offset=-1, axis1=-2, axis2=-1).mean(-1), 3).tolist())
     np.testing.assert_array_equal(log["lm_head"], reference.logits)
