@@ -1,10 +1,28 @@
-"""What both Flax APIs share, linen's and NNX's adapters alike: the parameter layout
-of their `ConvTranspose` (one module, one implementation in Flax)."""
+"""What both Flax APIs share, linen's and NNX's adapters alike: the parameter layouts
+of their multi-head attention's projections and of their `ConvTranspose` (one module,
+one implementation in Flax each), and the gates of their LSTM cell."""
 
 import dataclasses
 from typing import Any
 
 from .._engine import Declared, at, declare, lax_transpose_padding
+
+# The projections of a Flax multi-head attention, named so in both APIs.
+ATTENTION_INPUTS = ("query", "key", "value")
+LSTM_GATES = ("i", "f", "g", "o")
+
+
+def flax_attention_spec(name: str) -> Declared | None:
+    """The layout of the projection `name` of a Flax multi-head attention (`None` for
+    another name): the inputs' kernels split their output into heads, the output's its
+    input."""
+    if name in ATTENTION_INPUTS:
+        return declare(
+            "attention_in", kernel=at("kernel", "in", "heads", "head_dim"), bias=at("bias", "heads", "head_dim")
+        )
+    if name == "out":
+        return declare("attention_out", kernel=at("kernel", "heads", "head_dim", "out"), bias=at("bias", "out"))
+    return None
 
 
 def flax_transpose_spec(layer: Any, dims: int) -> Declared:

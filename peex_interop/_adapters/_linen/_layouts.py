@@ -34,12 +34,10 @@ from ..._engine import (
     refuse_unread,
 )
 from ..._errors import HookError
-from .._flax import flax_transpose_spec
+from .._flax import ATTENTION_INPUTS, LSTM_GATES, flax_attention_spec, flax_transpose_spec
 from ._variables import Path, node_at, own_variables, replaced, subtree_paths, unboxed, written
 
-_ATTENTION_INPUTS = ("query", "key", "value")
-_LSTM_GATES = ("i", "f", "g", "o")
-_LSTM_NAMES = {f"{side}{gate}" for side in "ih" for gate in _LSTM_GATES}
+_LSTM_NAMES = {f"{side}{gate}" for side in "ih" for gate in LSTM_GATES}
 _GRU_NAMES = {"ir", "iz", "in", "hr", "hz", "hn"}
 
 Location = tuple[str, Path]
@@ -56,10 +54,10 @@ def _location(where: str) -> Location:
 
 def _lstm_spec() -> Declared:
     def gates(side: str, name: str) -> tuple[str, ...]:
-        return tuple(f"{side}{gate}/{name}" for gate in _LSTM_GATES)
+        return tuple(f"{side}{gate}/{name}" for gate in LSTM_GATES)
 
     return declare(
-        "lstm", members={"gate": _LSTM_GATES},
+        "lstm", members={"gate": LSTM_GATES},
         input_kernel=at(gates("i", "kernel"), "in", "gate", "hidden"),
         hidden_kernel=at(gates("h", "kernel"), "recurrent", "gate", "hidden"),
         bias=at(gates("h", "bias"), "gate", "hidden"),
@@ -71,19 +69,16 @@ def _is_attention(variables: Mapping[str, Any], local: Path, parent: Any, kernel
         return isinstance(parent, nn.MultiHeadDotProductAttention)
     # Without a call, the names tell: linen's attention always names its projections so.
     siblings = node_at(variables["params"], local[:-1]) if local else {}
-    return {*_ATTENTION_INPUTS, "out"} <= set(siblings) and kernel.ndim == 3
+    return {*ATTENTION_INPUTS, "out"} <= set(siblings) and kernel.ndim == 3
 
 
 def _kernel_spec(variables: Mapping[str, Any], local: Path, module: Any, parent: Any) -> Declared | None:
     path = ".".join(local)
     own = own_variables(node_at(variables["params"], local))
     kernel, bias = own["kernel"], own.get("bias")
-    if _is_attention(variables, local, parent, kernel) and local[-1] in _ATTENTION_INPUTS:
-        return declare(
-            "attention_in", kernel=at("kernel", "in", "heads", "head_dim"), bias=at("bias", "heads", "head_dim")
-        )
-    if _is_attention(variables, local, parent, kernel) and local[-1] == "out":
-        return declare("attention_out", kernel=at("kernel", "heads", "head_dim", "out"), bias=at("bias", "out"))
+    attention = flax_attention_spec(local[-1]) if _is_attention(variables, local, parent, kernel) else None
+    if attention is not None:
+        return attention
     if isinstance(module, nn.Dense) or (module is None and kernel.ndim == 2):
         return declare("linear", kernel=at("kernel", "in", "out"), bias=at("bias", "out"))
     if isinstance(module, nn.Conv) or (module is None and (bias is None or bias.ndim == 1)):
@@ -157,7 +152,7 @@ def _cache_spec(variables: Mapping[str, Any], local: Path, modules: dict) -> Spe
     params = node_at(variables.get("params", {}), local)
     # Without a call, the names tell: linen's attention always names its projections so.
     attention = isinstance(module, nn.MultiHeadDotProductAttention) or (
-        module is None and isinstance(params, Mapping) and {*_ATTENTION_INPUTS, "out"} <= set(params)
+        module is None and isinstance(params, Mapping) and {*ATTENTION_INPUTS, "out"} <= set(params)
     )
     spec = {}
     for name, value in own_variables(node_at(variables.get("cache", {}), local)).items():

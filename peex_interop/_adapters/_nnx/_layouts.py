@@ -36,11 +36,8 @@ from ..._engine import (
     refuse_unread,
 )
 from ..._errors import HookError
-from .._flax import flax_transpose_spec
+from .._flax import LSTM_GATES, flax_attention_spec, flax_transpose_spec
 from ._graph import Path, modules_by_path
-
-_ATTENTION_INPUTS = ("query", "key", "value")
-_LSTM_GATES = ("i", "f", "g", "o")
 
 
 def _lstm_attributes(side: str, name: str) -> tuple[str, ...]:
@@ -50,13 +47,9 @@ def _lstm_attributes(side: str, name: str) -> tuple[str, ...]:
 
 def _built_in(layer: nnx.Module, parent: nnx.Module | None, attr: str) -> Declared | None:
     """The layout of one of NNX's own layers, `None` for another."""
-    if isinstance(layer, nnx.LinearGeneral) and isinstance(parent, nnx.MultiHeadAttention):
-        if attr in _ATTENTION_INPUTS:
-            return declare(
-                "attention_in", kernel=at("kernel", "in", "heads", "head_dim"), bias=at("bias", "heads", "head_dim")
-            )
-        if attr == "out":
-            return declare("attention_out", kernel=at("kernel", "heads", "head_dim", "out"), bias=at("bias", "out"))
+    attention = flax_attention_spec(attr) if isinstance(parent, nnx.MultiHeadAttention) else None
+    if isinstance(layer, nnx.LinearGeneral) and attention is not None:
+        return attention
     if isinstance(layer, nnx.Linear) or (
         isinstance(layer, nnx.LinearGeneral) and len(layer.in_features) == len(layer.out_features) == 1
     ):
@@ -81,7 +74,7 @@ def _built_in(layer: nnx.Module, parent: nnx.Module | None, attr: str) -> Declar
         return declare("batch_norm", scale=norm["scale"], offset=norm["offset"], mean=stats["mean"], var=stats["var"])
     if isinstance(layer, nnx.LSTMCell):
         return declare(
-            "lstm", members={"gate": _LSTM_GATES},
+            "lstm", members={"gate": LSTM_GATES},
             input_kernel=at(_lstm_attributes("i", "kernel"), "in", "gate", "hidden"),
             hidden_kernel=at(_lstm_attributes("h", "kernel"), "recurrent", "gate", "hidden"),
             bias=at(_lstm_attributes("h", "bias"), "gate", "hidden"),
