@@ -241,6 +241,39 @@ def test_the_cotangent_of_the_scores_is_the_gradient_of_an_added_delta(case, x):
     close(grads.log["attn.scores"], jax.grad(with_delta)(jnp.zeros_like(scores)))
 
 
+class KeywordAttention(eqx.Module):
+    """A model's own attention that passes its scores to the softmax by keyword."""
+
+    proj: eqx.nn.Linear
+
+    def __call__(self, x):
+        q = k = jax.vmap(self.proj)(x)
+        return jax.nn.softmax(x=q @ k.T, axis=-1) @ x
+
+
+class TwoAttentions(eqx.Module):
+    first: KeywordAttention
+    second: eqx.nn.MultiheadAttention
+
+    def __call__(self, x):
+        y = self.first(x)
+        return self.second(y, y, y)
+
+
+def test_scores_given_to_the_softmax_by_keyword_are_a_site_too():
+    # With another attention's scores reached, a missing one would pass the
+    # closed-world check: every attention's scores must be logged.
+    keys = jax.random.split(jax.random.key(0))
+    first = KeywordAttention(eqx.nn.Linear(D, D, key=keys[0]))
+    model = TwoAttentions(first, eqx.nn.MultiheadAttention(H, D, key=keys[1]))
+    x = jax.random.normal(jax.random.key(1), (T, D))
+    out, log = jitted(px.ForwardHook(model, log_fn=px.IdentityLog(), where=["**.scores", "first.proj"]), x)
+    close(out, model(x))
+    assert set(log) == {"first.scores", "second.scores", "first.proj"}
+    q = log["first.proj"]
+    close(log["first.scores"], q @ q.T)
+
+
 def test_one_step_of_a_scanned_stack():
     model, ids = transformer(num_blocks=3), tokens(seq=T)
     one = px.ForwardHook(model, log_fn=px.IdentityLog(), hook_fn=lambda w: w * 0, where="blocks.1.attn.weights")

@@ -11,6 +11,7 @@ them (`Selection.inner`), so they change no existing selection's logs.
 """
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -61,15 +62,20 @@ def attention_sites_wanted() -> bool:
     return any(wanted(*kind) for kind in _attention_sites)
 
 
-def with_argument_sites(function: Callable, args: tuple) -> tuple:
-    """`args` of a call of `function` made while an attention layer forms its weights,
-    with each argument registered as a site (`attention_argument_site`) run as that
-    site where it is wanted."""
+def with_argument_sites(function: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` and `kwargs` of a call of `function` made while an attention layer forms
+    its weights, with each argument registered as a site (`attention_argument_site`),
+    given by position or by keyword, run as that site where it is wanted."""
     for registered, position, kind in _argument_sites:
-        if registered is function and len(args) > position and wanted(*kind):
-            site = inner_site(*kind, _same, (args[position],), {})
-            args = (*args[:position], site, *args[position + 1 :])
-    return args
+        if registered is not function or not wanted(*kind):
+            continue
+        if len(args) > position:
+            args = (*args[:position], inner_site(*kind, _same, (args[position],), {}), *args[position + 1 :])
+        else:
+            name = list(inspect.signature(function).parameters)[position]
+            if name in kwargs:
+                kwargs = {**kwargs, name: inner_site(*kind, _same, (kwargs[name],), {})}
+    return args, kwargs
 
 
 def _same(value: Any) -> Any:

@@ -82,7 +82,7 @@ def route(function: Callable, original: Callable, args: tuple, kwargs: dict) -> 
         # A call inside a site is that site's own; inside attention weights being
         # formed, its arguments may be sites of the attention (the softmax's scores).
         if frame.module.kind == WEIGHTS.kind:
-            args = with_argument_sites(function, args)
+            args, kwargs = with_argument_sites(function, args, kwargs)
         return original(*args, **kwargs)
     weights = id(function) in _weights_functions and is_attention_layer(frame.kind, frame.module)
     if weights and attention_sites_wanted():
@@ -99,7 +99,8 @@ def route(function: Callable, original: Callable, args: tuple, kwargs: dict) -> 
 def _forming(function: Callable, original: Callable, *args: Any, **kwargs: Any) -> Any:
     """The weights site's own call of `function` (`jax.nn.softmax` itself, in Gemma),
     whose arguments may be sites of the attention too."""
-    return original(*with_argument_sites(function, args), **kwargs)
+    args, kwargs = with_argument_sites(function, args, kwargs)
+    return original(*args, **kwargs)
 
 
 def _refuse_a_second_time(frame: Any, function: Callable) -> None:
