@@ -111,6 +111,7 @@ from ._selection import (
     kind as kind,
     may_name_a_step as may_name_a_step,
     not_ as not_,
+    step_path as step_path,
 )
 from ._shape_pass import (
     register_shape_pass_save as register_shape_pass_save,

@@ -111,6 +111,8 @@ class CallSite(eqx.Module):
       layers, the traced index of this layer in each stack, the path each step
       follows (`blocks` for `blocks.1.attn`) and each stack's size, outermost first.
       `step` and `stack_root` are the innermost stack's (`None` outside a stack).
+      `stack_levels`: the level in `indices` of each stack (which mapped axes of a log
+      entry are steps of a stack, for what splits a value by steps: `px.patch_sweep`).
     """
 
     # A pytree (an `eqx.Module`): the traced indices are its leaves, so it can be
@@ -126,6 +128,7 @@ class CallSite(eqx.Module):
     steps: tuple
     stack_roots: tuple[str, ...] = eqx.field(static=True)
     stack_lengths: tuple[int, ...] = eqx.field(static=True)
+    stack_levels: tuple[int, ...] = eqx.field(static=True)
 
     @classmethod
     def of(cls, site: "Site") -> "CallSite":
@@ -135,6 +138,7 @@ class CallSite(eqx.Module):
             tuple(site.indices[level] for level, _ in site.stacks),
             tuple(root for _, root in site.stacks),
             tuple(site.lengths[level] for level, _ in site.stacks),
+            tuple(level for level, _ in site.stacks),
         )
 
     @property
