@@ -258,3 +258,22 @@ def test_an_mlp_to_the_unembedding(gpt2):
     expected = px.patch(model, {"lm_head:in": ((normed,), {})}, "lm_head", inputs=True)(*args)
     close(out.logits, expected.logits)
     assert np.abs(out.logits - model(*args).logits).max() > 1e-4
+
+
+def test_a_metric_of_the_final_residual_gives_the_logit_differences(gpt2):
+    """`metric_site="transformer.ln_f"`: the same table from the final residual stream
+    dotted with the difference of two unembedding columns (the unembedding of every
+    position no longer computed), for a sweep and a path patch sweep."""
+    model, cache, args = gpt2
+    embedding = model.variables["params"]["transformer"]["wte"]["embedding"]  # tied to the unembedding
+    direction = embedding[3] - embedding[5]
+    final = lambda normed: jnp.sum(normed[..., -1, :] @ direction)
+    where, cells, inputs = GPT2_SWEEPS["resid_pre"]
+    sweep = lambda **kw: px.patch_sweep(model, cache, *args, where=where, cells=cells, inputs=inputs, **kw)
+    close(sweep(metric=final, metric_site="transformer.ln_f"), sweep(metric=answer), tol=1e-5)
+    paths = lambda **kw: px.path_patch_sweep(
+        model, cache, *args, sender=px.Component("transformer.h.0.mlp"),
+        receiver=px.Component("transformer.h.1.attn.c_proj", HEAD, inputs=True), freeze=FREEZE, **kw)
+    close(paths(metric=final, metric_site="transformer.ln_f"), paths(metric=answer), tol=1e-5)
+    with pytest.raises(px.HookError, match=r"metric_site='transformer\.h\.\*' selects 2 calls"):
+        sweep(metric=final, metric_site="transformer.h.*")

@@ -26,7 +26,7 @@ from .._errors import HookError
 from .._hooks import ForwardHook, IdentityLog
 from ._cache import cache
 from ._component import Component, Entry, entries, patch_cell, patched
-from ._sweep import Metric, entry_patch, map_cells, same_counts, scalar
+from ._sweep import Metric, entry_patch, map_cells, measured, same_counts
 
 # What `freeze=` takes: a component, several, or a `where=` of outputs.
 Freeze = Component | Sequence[Component] | Where
@@ -169,6 +169,7 @@ def _path_sweep(
     kwargs: dict,
     paths: tuple[Component, Component, tuple[Component, ...]],
     metric: Metric,
+    metric_site: str | None,
     batch_size: int | None,
 ) -> Array:
     sender, receiver, freezes = paths
@@ -187,7 +188,7 @@ def _path_sweep(
 
                 def per_receiver(flat: Any, received: Entry = received) -> Any:
                     fn = entry_patch(received, receiver, *received.unravel(flat))
-                    return scalar(metric, patched(model, recorded, receiver, fn)(*args, **kwargs))
+                    return measured(patched(model, recorded, receiver, fn), metric, metric_site, args, kwargs)
 
                 columns.append(map_cells(per_receiver, received.size, batch_size).reshape(-1, *receiver_counts))
             return jnp.concatenate(columns)
@@ -205,6 +206,7 @@ def path_patch_sweep(
     receiver: Component,
     freeze: Freeze,
     metric: Metric,
+    metric_site: str | None = None,
     batch_size: int | None = None,
     **kwargs: Any,
 ) -> Float[Array, "..."]:
@@ -217,6 +219,7 @@ def path_patch_sweep(
     - `sender`, `receiver`: components; each row of theirs (`px.sweep_rows`) and each
         cell of a row is one sender (receiver).
     - `metric`: `metric(output) -> scalar` of pass 2's output.
+    - `metric_site`: as in `px.patch_sweep`: the metric takes that call's value.
     - `batch_size`: at most this many sender cells at once, and receiver cells per
         sender cell (`jax.lax.map`); `None`: all in one `vmap`.
 
@@ -227,4 +230,4 @@ def path_patch_sweep(
     its entries are `metric` of the corrupted output (computed anyway).
     """
     paths = (sender, receiver, _freezes(freeze))
-    return _path_sweep(model, dict(clean_cache), args, kwargs, paths, metric, batch_size)
+    return _path_sweep(model, dict(clean_cache), args, kwargs, paths, metric, metric_site, batch_size)

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int, PyTree, Scalar
 
 from .._engine import CallSite, Where
 from .._errors import HookError
+from .._hooks import ForwardHook, IdentityLog
 from ._cells import WHOLE, Cells
 from ._component import Component, Entry, entries, patch_cell, patched
 
@@ -34,8 +35,21 @@ def map_cells(fn: Callable[[Int[Array, ""]], Any], size: int, batch_size: int | 
     return jax.vmap(fn)(flat) if batch_size is None else jax.lax.map(fn, flat, batch_size=batch_size)
 
 
-def scalar(metric: Metric, output: Any) -> Scalar:
-    value = metric(output)
+def measured(patched_model: Any, metric: Metric, metric_site: str | None, args: tuple, kwargs: dict) -> Scalar:
+    """`metric` of one patched run: of its output, or of the value of the call
+    `metric_site` selects (then what the model computes after that call, such as an
+    unembedding over every position, is not computed at all: XLA drops what no output
+    reads)."""
+    if metric_site is None:
+        value = metric(patched_model(*args, **kwargs))
+    else:
+        _, log = ForwardHook(patched_model, log_fn=IdentityLog(), where=metric_site)(*args, **kwargs)
+        if len(log) != 1:
+            raise HookError(
+                f"metric_site={metric_site!r} selects {len(log)} calls ({', '.join(log) or 'none'}); "
+                "the metric reads the value of one call"
+            )
+        value = metric(*log.values())
     if jnp.shape(value) != ():
         raise HookError(f"the metric returned a value of shape {jnp.shape(value)}; a sweep's metric returns a scalar")
     return value
@@ -66,7 +80,14 @@ def entry_patch(entry: Entry, component: Component, steps: Any, cell: Any) -> Ca
 
 @eqx.filter_jit
 def _sweep(
-    model: PyTree, cache: dict, args: tuple, kwargs: dict, component: Component, metric: Metric, batch_size: int | None
+    model: PyTree,
+    cache: dict,
+    args: tuple,
+    kwargs: dict,
+    component: Component,
+    metric: Metric,
+    metric_site: str | None,
+    batch_size: int | None,
 ) -> Array:
     found = entries(model, args, kwargs, component, cache)
     counts = same_counts(found)
@@ -75,7 +96,7 @@ def _sweep(
 
         def one(flat: Any, entry: Entry = entry) -> Scalar:
             fn = entry_patch(entry, component, *entry.unravel(flat))
-            return scalar(metric, patched(model, cache, component, fn)(*args, **kwargs))
+            return measured(patched(model, cache, component, fn), metric, metric_site, args, kwargs)
 
         rows.append(map_cells(one, entry.size, batch_size).reshape(-1, *counts))
     return jnp.concatenate(rows)
@@ -89,6 +110,7 @@ def patch_sweep(
     metric: Metric,
     cells: Cells = WHOLE,
     inputs: bool = False,
+    metric_site: str | None = None,
     batch_size: int | None = None,
     **kwargs: Any,
 ) -> Float[Array, "..."]:
@@ -124,6 +146,11 @@ def patch_sweep(
         of `vmap`s inside the stack kept).
     - `inputs`: patch each call's first positional argument instead of its output
         (a block's input is TransformerLens's `resid_pre`).
+    - `metric_site`: a site whose value `metric` takes instead of the output (one
+        call: `"transformer.ln_f"`, the final residual stream); the runs then stop
+        there, which spares a sweep the unembedding of every position when the metric
+        reads one (a logit difference is the final residual dotted with the difference
+        of two unembedding columns).
     - `batch_size`: at most this many forward passes at once (`jax.lax.map`), to bound
         memory; `None`: all of a call's cells in one `vmap`.
 
@@ -135,4 +162,6 @@ def patch_sweep(
     nothing, a cache without a selected call's value (or with one of another shape), a
     cell axis out of range or not divisible raise `px.HookError` naming the layer.
     """
-    return _sweep(model, dict(clean_cache), args, kwargs, Component(where, cells, inputs=inputs), metric, batch_size)
+    return _sweep(
+        model, dict(clean_cache), args, kwargs, Component(where, cells, inputs=inputs), metric, metric_site, batch_size
+    )
