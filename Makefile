@@ -42,7 +42,7 @@ NEW_VENV = py=$$($(FIND_PYTHON)); \
 	if [ -z "$$py" ]; then echo "error: peex_interop needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi; \
 	echo "using $$py"; $$py -m venv
 
-.PHONY: demo test docs lint bench bench-check check-core test-floor clean
+.PHONY: demo test docs lint bench bench-tl bench-check check-core test-floor clean
 
 $(STAMP): pyproject.toml
 	@$(NEW_VENV) $(VENV)
@@ -67,6 +67,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --out docs/benchmarks.md
+
+# px's patching sweeps against TransformerLens's, its own page (needs `make tl-venv`).
+bench-tl: $(STAMP)
+	$(PY) benchmarks/bench.py --only transformer-lens --out docs/benchmarks_transformer_lens.md
 
 # The bench's smoke run (`--quick`: small models, a few repetitions) writes a complete page.
 bench-check: $(STAMP)

@@ -39,7 +39,8 @@ by `findings.py`.
 Usage: `python benchmarks/bench.py [--quick] [--out docs/benchmarks.md]` (`make bench`:
 about 8 minutes on 2 CPU cores; `--quick`, a smoke test: about 3 minutes); `--only port`
 (or `lm1b`, `same-class`) runs the port rows alone (the same-class rows at full size:
-about a minute).
+about a minute); `--only transformer-lens` (`make bench-tl`) writes the page of px's
+patching sweeps against TransformerLens's (`transformer_lens_sweeps.py`).
 """
 
 import argparse
@@ -67,6 +68,7 @@ from libraries import DEPTH, FULL_SIZES, LIBRARIES, QUICK_SIZES, use_sizes
 from page import diff_table, jaxpr_table, table
 from port_lm1b import PORT_FULL, PORT_QUICK, PORT_TEXT, port_rows
 from port_same_class import OWN_FULL, OWN_QUICK, own_lm_text, same_class_port_rows
+from transformer_lens_sweeps import transformer_lens_page
 from training_stats import (
     EVERY_TEN_TEXT,
     NARROW,
@@ -237,12 +239,19 @@ def main():
     parser.add_argument("--out", type=Path, help="markdown file to write")
     parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test)")
     parser.add_argument(
-        "--only", choices=("port", *PORT_GROUPS),
+        "--only", choices=("port", *PORT_GROUPS, "transformer-lens"),
         help="run only the port rows (`port`), or one group of them (`lm1b`: linen LM -> NNX; "
         "`same-class`: two instances of an LM of its own layer classes); the page written holds "
-        "their description and table alone")
+        "their description and table alone; `transformer-lens`: px's patching sweeps against "
+        "TransformerLens's (benchmarks/transformer_lens_sweeps.py, its own page)")
     args = parser.parse_args()
     start = time.perf_counter()
+    if args.only == "transformer-lens":
+        text = transformer_lens_page(args.quick)
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return
     if args.only:
         rows = port_section(args.quick, start, PORT_GROUPS if args.only == "port" else (args.only,))
         print(table(rows))
