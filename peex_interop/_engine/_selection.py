@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._errors import HookError
-from ._kinds import KINDS
+from ._kinds import INNER_KINDS, KINDS
 
 _WHERE_TAKES = (
     "glob patterns (str), module types, predicates (path, module) -> bool, px.kind/"
@@ -67,6 +67,11 @@ class AllOf:
 # What `where=` accepts: one criterion or a sequence of them (any matching selects).
 Criterion = str | type | Predicate | Kind | Not | AllOf
 Where = Criterion | Sequence[Criterion] | None
+
+# Every site: every layer, method and sown value (`**`), and the sites inside layers,
+# which only a selection naming them selects (their kinds). What `px.sites(inner=True)`
+# lists and `px.cache` keeps by default.
+EVERY_SITE: tuple[Criterion, ...] = ("**", Kind(INNER_KINDS))
 
 
 def kind(*kinds: str) -> Kind:

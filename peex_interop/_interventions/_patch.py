@@ -39,6 +39,13 @@ def cached_at(cache: Mapping[str, Any], site: CallSite, suffix: str = "", what: 
     return jtu.tree_map(lambda value: value[index] if eqx.is_array(value) else value, cache[key])
 
 
+def put_back(cached: Any, current: Any) -> Any:
+    """The cached arrays in place of the current ones; the leaves a cache holds no
+    array for (`None`: a `dtype=` argument, a flag; `px.cache` keeps arrays only) are
+    the current call's."""
+    return eqx.combine(cached, eqx.filter(current, eqx.is_array, inverse=True))
+
+
 class CachePatch(AbstractHook):
     """A hook that puts the cached value of each call in place of the current one (see
     `px.patch`, which builds the patched model). Usable in any hook wrapper, e.g. in a
@@ -62,7 +69,7 @@ class CachePatch(AbstractHook):
         self.inputs = inputs
 
     def __call__(self, args: Any, site: CallSite) -> Any:
-        cached = cached_at(self.cache, site, ":in" if self.inputs else "")
+        cached = put_back(cached_at(self.cache, site, ":in" if self.inputs else ""), args)
         return cached if self.fn is None else self.fn(args, cached, site)
 
 
