@@ -131,7 +131,7 @@ def patch(
         had, also inside `vmap`/`scan` bodies (per step of a scanned stack).
     - `where`: which layers to patch, as in `px.ForwardHook` (`"blocks.1.attn"`: one
         step of a stack; it may be taken from a cache of the whole stack). `None`: the
-        layers the cache holds.
+        sites the cache holds (by their keys: `lin@1` is the second call of `lin`).
     - `fn`: `fn(current, cached, site) -> value`, for partial patches (one position,
         one head slice, a mix; `site` is the `px.CallSite`, with `site.step` in a
         stack); `None` puts the cached value in place. Shapes and dtypes must not change.
@@ -148,7 +148,7 @@ def patch(
     if where is None:
         if not cache:
             raise HookError("px.patch: the cache is empty, so where=None selects no layer")
-        where = sorted({key.split("@")[0].split(":")[0] for key in cache})
+        where = sorted({key.removesuffix(":in") for key in cache})
     hook = CachePatch(cache, fn, inputs=inputs)
     if inputs:
         return Patched(ForwardHook(model, where=where, pre_hook_fn=hook))
