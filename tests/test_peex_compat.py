@@ -121,3 +121,20 @@ def test_backward_matches_peex(config):
         np.testing.assert_allclose, eqx.filter(ours.model, eqx.is_array),
         eqx.filter(theirs.model, eqx.is_array),
     )
+
+
+@pytest.mark.parametrize("layer_names", [None, ["linear1"], ["linear2", "linear1"]])
+def test_peex_wrappers_keep_the_layer_names_given(layer_names):
+    from peex_interop import peex as compat
+
+    mlp = MLP(3, 5, 2, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (3,))
+    forward = compat.ForwardHook(mlp, log_fn=compat.IdentityLog(), layer_names=layer_names)
+    backward = compat.BackwardHook(mlp, log_fn=compat.IdentityLog(), layer_names=layer_names)
+    theirs = peex.BackwardHook(mlp, log_fn=peex.IdentityLog(), layer_names=layer_names)
+    assert forward.layer_names == peex.ForwardHook(mlp, layer_names=layer_names).layer_names == layer_names
+    assert backward.layer_names == theirs.layer_names == layer_names
+    assert backward.init(x).layer_names == theirs.init(x).layer_names == layer_names
+    # Still the selection: only the layers named are logged, also under jit.
+    _, log = eqx.filter_jit(lambda hooked, x: hooked(x))(forward, x)
+    assert set(log) == set(layer_names or ["linear1", "linear2"])

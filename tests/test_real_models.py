@@ -168,6 +168,10 @@ def test_sites_and_summary_list_the_new_sites(hf_case):
         assert row.kind == "attention_weights" and row.output_shapes == ((1, HEADS, T, T),)
     text = str(px.summary(model, *args))
     assert case["head"] in text
+    # `inner=` is summary's own keyword (as for px.sites), not passed on to the model.
+    rows = px.summary(model, *args, inner=True).rows
+    assert [row.key for row in rows] == list(inner)
+    assert [row.key for row in px.summary(model, *args).rows] == [row.key for row in px.sites(model, *args)]
 
 
 # -- the Gemma-shaped NNX model ----------------------------------------------------------

@@ -79,7 +79,9 @@ class _PeexConventions(eqx.Module):
     """What peex's two wrappers share: its signature, and its selection (depth 1, or
     `layer_names` checked at call time)."""
 
-    peex_names: tuple[str, ...] | None = eqx.field(static=True)
+    # peex's field, holding what was given (a list): not static, as in peex (whose
+    # users read it back); a static field must be hashable.
+    layer_names: list[str] | None  # pyright: ignore[reportIncompatibleVariableOverride]
 
     def __init__(
         self,
@@ -97,11 +99,11 @@ class _PeexConventions(eqx.Module):
         `.init` makes."""
         # The next class in the MRO: px's ForwardHook or BackwardHook.
         super().__init__(model, hook_fn, log_fn, log, pre_hook)  # pyright: ignore[reportCallIssue]
-        self.peex_names = None if layer_names is None else tuple(layer_names)
+        self.layer_names = layer_names  # pyright: ignore[reportAttributeAccessIssue]
 
     @property
     def selection(self) -> Selection:
-        return _selection(self.peex_names)
+        return _selection(self.layer_names)
 
 
 class ForwardHook(_PeexConventions, PxForwardHook):
@@ -110,7 +112,7 @@ class ForwardHook(_PeexConventions, PxForwardHook):
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         """**Returns:** `(output, log)`, as peex's."""
-        _check_layer_names(self.model, self.peex_names)
+        _check_layer_names(self.model, self.layer_names)
         with hooking(self.model, self) as context:
             output = context.root(*args, **kwargs)
         return output, {**self.log, **_last_calls(context.logs)}
@@ -133,18 +135,18 @@ class BackwardHook(_PeexConventions, PxBackwardHook):
     def init(self, *args: Any, **kwargs: Any) -> "BackwardHook":
         """**Returns:** a copy with a zero slot per hooked submodule (the first call's
         shapes; every call of a submodule shares its slot)."""
-        _check_layer_names(self.model, self.peex_names)
+        _check_layer_names(self.model, self.layer_names)
         slots = super().init(*args, **kwargs).log
         shared = {_base(key): slot for key, slot in reversed(slots.items())}
         # peex's signature (`_PeexConventions.__init__`), which type checkers do not see.
         return BackwardHook(
-            self.model, self.hook_fn, self.log_fn, shared, self.pre_hook, self.peex_names  # pyright: ignore[reportCallIssue]
+            self.model, self.hook_fn, self.log_fn, shared, self.pre_hook, self.layer_names  # pyright: ignore[reportCallIssue]
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """**Returns:** the model's output; cotangent logs appear in gradients with
         respect to `log`."""
-        _check_layer_names(self.model, self.peex_names)
+        _check_layer_names(self.model, self.layer_names)
         with hooking(self.model, self, probes=_Shared(self.log)) as context:
             return context.root(*args, **kwargs)
 

@@ -12,12 +12,11 @@ from equinox.nn._stateful import _Sentinel  # pyright: ignore[reportPrivateImpor
 
 from .._adapters import is_state, states_in
 from .._engine import (
-    INNER_KINDS,
+    EVERY_SITE,
     MEMBERS,
     AbstractConverted,
     HookContext,
     InnerCall,
-    Kind,
     Selection,
     Site,
     check_model,
@@ -169,7 +168,7 @@ class _SiteFinder:
         self.caller = caller
         self.found: dict[str, dict[str, Any]] = {}
         # Sites inside layers are selected where a selection names them: by kind.
-        self.selection = Selection(where=("**", Kind(INNER_KINDS))) if inner else Selection()
+        self.selection = Selection(where=EVERY_SITE) if inner else Selection()
 
     def run_site(self, context: HookContext, site: Site) -> Any:
         # Read before the call: a layer that updates an `eqx.nn.State` invalidates the

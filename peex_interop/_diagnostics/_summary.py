@@ -74,7 +74,7 @@ class Summary(AbstractTabular):
         )
 
 
-def summary(model: Any, *args: Any, **kwargs: Any) -> Summary:
+def summary(model: Any, *args: Any, inner: bool = False, **kwargs: Any) -> Summary:
     """One row per call site: path, module type, kind, stack length, input and output
     shape(s), parameters.
 
@@ -88,13 +88,15 @@ def summary(model: Any, *args: Any, **kwargs: Any) -> Summary:
     - `model`: an `eqx.Module`, or a model from `px.from_haiku`, `px.from_nnx`,
         `px.from_linen` or `px.from_function` (anything else raises a `TypeError`
         that says how to convert it).
-    - `*args`, `**kwargs`: example arguments.
+    - `*args`, `**kwargs`: example arguments (other than `inner`).
+    - `inner`: also list the sites inside layers (attention weights and scores,
+        functions named with `px.function_sites`), as `px.sites(..., inner=True)` does.
 
     **Returns:**
 
     A `Summary` (print it, or read `.rows`).
     """
-    rows = find_sites(model, args, kwargs, "px.summary")
+    rows = find_sites(model, args, kwargs, "px.summary", inner)
     return Summary(type(model).__name__, rows, parameter_counts(model, state_among((args, kwargs)), "px.summary"))
 
 

@@ -102,6 +102,7 @@ from ._pooling import (
 )
 from ._routes import register_weights_function as register_weights_function
 from ._selection import (
+    EVERY_SITE as EVERY_SITE,
     Criterion as Criterion,
     Kind as Kind,
     Selection as Selection,

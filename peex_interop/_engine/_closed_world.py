@@ -36,7 +36,8 @@ def check_reached(context: HookContext) -> None:
         regex = glob_to_regex(pattern)
         # A map's pattern acts on selected calls only; the selection's own names and
         # patterns reach a call when it runs (other criteria may then leave it out).
-        reached = context.selected if what == "hook/log map pattern" else context.seen
+        # Keys reach too: a name of one call (`lin@1`) reaches that call's key.
+        reached = context.selected if what == "hook/log map pattern" else context.seen | context.selected
         if pattern in context.step_hits or any(regex.match(path) for path in reached):
             continue
         one_step = what == "hook/log map pattern" and may_name_a_step(pattern)
@@ -46,7 +47,8 @@ def check_reached(context: HookContext) -> None:
             known = _known_paths.Known(models, context.seen, context.root)
         if known.names_only_layers_not_run(pattern):
             continue
-        called = sorted(p for p in context.seen if p)
+        # The paths and keys of this call: what `px.sites` lists.
+        called = sorted(p for p in context.seen | context.selected | context.passed_over if p)
         close = difflib.get_close_matches(pattern, called, n=5, cutoff=0.4) or called[:12]
         raise HookError(
             f"{what} {pattern!r} selected no call of the model: no selected layer with a "

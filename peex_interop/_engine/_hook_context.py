@@ -81,6 +81,9 @@ class HookContext:
         # Paths and log keys of the calls the selection selected (the closed-world rule:
         # every pattern the user gave must reach one).
         self.selected: set[str] = set()
+        # Keys of calls of selected layers that a name of another call left out (`lin`
+        # for `lin@1`): an error's closest keys.
+        self.passed_over: set[str] = set()
         self.claims: dict[str, str] = {}
         # Every log key given out: key -> (path, key without its call number, number),
         # so that keys counted inside a deferred scope can be renumbered on arrival.
@@ -140,7 +143,12 @@ class HookContext:
                 )
             count = self.counts.get(path, 0)
             self.counts[path] = count + 1
+            selection = self.selection.inner if isinstance(module, InnerCall) else self.selection
+            roots, lengths = [root for _, root in stacks], [self.scopes[d].length or 0 for d, _ in stacks]
             key = name if count == 0 else f"{name}@{count}"
+            if not selection.selects_call(path, module, kind, count, roots, lengths):
+                self.passed_over.add(key)
+                return call(*args, **kwargs)  # another call of the layer is named (`lin@1`)
             active, one_step = None, False
             if steps is not True:
                 key, active, one_step = _steps.at_steps(self.scopes, key, name, stacks, steps)

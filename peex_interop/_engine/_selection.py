@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._errors import HookError
-from ._kinds import KINDS
+from ._kinds import INNER_KINDS, KINDS
 
 _WHERE_TAKES = (
     "glob patterns (str), module types, predicates (path, module) -> bool, px.kind/"
@@ -42,6 +42,17 @@ def glob_to_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out) + r"\Z")
 
 
+# A log key's call number: `lin@1` is the second call of the layer `lin`.
+_CALL = re.compile(r"@(\d+)\Z")
+
+
+def split_call(pattern: str) -> tuple[str, int | None]:
+    """`("lin", 1)` for `"lin@1"` (a name or pattern naming one call of a layer, as its
+    log key does), `(pattern, None)` for one naming every call."""
+    found = _CALL.search(pattern)
+    return (pattern, None) if found is None else (pattern[: found.start()], int(found.group(1)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """Selects layers of library-independent kinds (`px.KINDS`): `px.kind("linear")`
@@ -68,6 +79,11 @@ class AllOf:
 Criterion = str | type | Predicate | Kind | Not | AllOf
 Where = Criterion | Sequence[Criterion] | None
 
+# Every site: every layer, method and sown value (`**`), and the sites inside layers,
+# which only a selection naming them selects (their kinds). What `px.sites(inner=True)`
+# lists and `px.cache` keeps by default.
+EVERY_SITE: tuple[Criterion, ...] = ("**", Kind(INNER_KINDS))
+
 
 def kind(*kinds: str) -> Kind:
     """A `where=` criterion: layers of any of these kinds (see `px.KINDS`)."""
@@ -89,7 +105,7 @@ def all_of(*criteria: Any) -> AllOf:
 
 def _matches(criterion: Any, path: str, module: Any, layer_kind: str) -> bool:
     if isinstance(criterion, str):
-        return glob_to_regex(criterion).match(path) is not None
+        return glob_to_regex(split_call(criterion)[0]).match(path) is not None
     if isinstance(criterion, type):
         return _is_kind(module, criterion)
     if isinstance(criterion, Kind):
@@ -157,10 +173,22 @@ class Selection:
             where = ()
         return dataclasses.replace(self, where=where)
 
+    @functools.cached_property
+    def _name_paths(self) -> frozenset[str] | None:
+        return None if self.names is None else frozenset(split_call(name)[0] for name in self.names)
+
+    @functools.cached_property
+    def names_calls(self) -> bool:
+        """Whether a name or pattern names one call of a layer (`lin@1`)."""
+        given = [*(self.names or ()), *(c for c in self.where or () if isinstance(c, str))]
+        return any(split_call(p)[1] is not None for p in given)
+
     def selects(self, path: str, module: Any, layer_kind: str = "other") -> bool:
+        """Whether the call is selected at every step, whichever call of its layer it is
+        (`selects_call` tells that)."""
         if path == "":
             return False
-        if self.names is not None and path not in self.names:
+        if self._name_paths is not None and path not in self._name_paths:
             return False
         if self.where is not None:
             return any(_matches(c, path, module, layer_kind) for c in self.where)
@@ -182,7 +210,11 @@ class Selection:
             if patterns is None:
                 found.append([{}])
                 continue
-            hits = [(pattern, steps) for pattern in patterns for steps in steps_of(pattern, segments, lengths)]
+            hits = [
+                (pattern, steps)
+                for pattern in patterns
+                for steps in steps_of(split_call(pattern)[0], segments, lengths)
+            ]
             matched.update(pattern for pattern, _ in hits)
             found.append([steps for _, steps in hits])
         if not all(found):
@@ -190,11 +222,33 @@ class Selection:
         both = [{**a, **b} for a in found[0] for b in found[1] if all(a[k] == b[k] for k in a.keys() & b.keys())]
         return both, matched
 
+    def selects_call(
+        self, path: str, module: Any, layer_kind: str, call: int, roots: Sequence[str], lengths: Sequence[int]
+    ) -> bool:
+        """Whether the `call`-th call of a selected layer is selected: names and patterns
+        naming one call (`lin@1`, `blocks.1.attn@1`) select that call only. Among the
+        names (and among `where=`), one that reaches the path and admits the call must
+        exist."""
+        if not self.names_calls:
+            return True
+        segments = step_segments(path, roots)
+
+        def admits(criterion: Any) -> bool:
+            if not isinstance(criterion, str):
+                return _matches(criterion, path, module, layer_kind)
+            pattern, number = split_call(criterion)
+            reaches = glob_to_regex(pattern).match(path) is not None or bool(
+                roots and steps_of(pattern, segments, lengths)
+            )
+            return reaches and number in (None, call)
+
+        return all(criteria is None or any(admits(c) for c in criteria) for criteria in (self.names, self.where))
+
     def step_patterns(self) -> list[str]:
         """Names and patterns with a number segment: they may name one step of a stack,
         which only the call can tell (checked then)."""
         patterns = [*(self.names or ()), *(c for c in self.where or () if isinstance(c, str))]
-        return [p for p in patterns if may_name_a_step(p)]
+        return [p for p in patterns if may_name_a_step(split_call(p)[0])]
 
     def validate(
         self, modules: dict[str, Any], model_name: str, inner_names: Iterable[str] = (), methods: Sequence[str] = (),
@@ -211,15 +265,17 @@ class Selection:
         for source, _ in self.renames:
             if not source or (source not in modules and source not in methods):
                 raise HookError(_no_match("rename= path", source, sites, model_name))
-        for name in self.names or ():
+        for given in self.names or ():
+            name = split_call(given)[0]
             known = name in sites
             if not (known or could_be_step(name, sites) or could_be_inner(name, paths, inner, sows)):
-                raise HookError(_no_match("layer name", name, sites, model_name))
+                raise HookError(_no_match("layer name", given, sites, model_name))
         for criterion in self.where or ():
             if isinstance(criterion, str):
-                matched = any(glob_to_regex(criterion).match(p) for p in sites)
-                inside = could_be_inner(criterion, paths, inner, sows)
-                if not (matched or could_be_step(criterion, sites) or inside):
+                pattern = split_call(criterion)[0]
+                matched = any(glob_to_regex(pattern).match(p) for p in sites)
+                inside = could_be_inner(pattern, paths, inner, sows)
+                if not (matched or could_be_step(pattern, sites) or inside):
                     raise HookError(_no_match("where pattern", criterion, sites, model_name))
             elif isinstance(criterion, type):
                 known = [modules[p] for p in paths if modules[p] is not None]
@@ -252,13 +308,16 @@ def names_inner(criterion: Any) -> bool:
 def could_be_inner(pattern: str, paths: list[str], names: set[str], any_name: bool = False) -> bool:
     """Whether a name or pattern may name a site inside a layer (`attn.weights`,
     `**.gelu`): its last segment names one of the site names `names` (any name, with
-    `any_name`: a sown value's) and the rest names a layer (`**` also the root: the
-    model's own sown values are `**.y`, a one-segment name being checked as a layer's).
-    Such sites exist only during the call (checked then)."""
+    `any_name`: a sown value's) and the rest names a layer (`**` also the root), or
+    there is no rest: a site of the root model is named by its name alone (`gelu`,
+    `all_hidden_states`), as `px.sites` lists it. Such sites exist only during the call
+    (checked then)."""
     rest, _, last = pattern.rpartition(".")
     named = any_name or any(glob_to_regex(last).match(name) for name in names)
-    if not (rest and last.strip("*?") and named):
+    if not (last.strip("*?") and named):
         return False
+    if not rest:
+        return True  # a site of the root model: its name alone, as `px.sites` lists it
     return any(glob_to_regex(rest).match(p) for p in ["", *paths]) or could_be_step(rest, paths)
 
 

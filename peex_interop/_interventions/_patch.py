@@ -39,6 +39,13 @@ def cached_at(cache: Mapping[str, Any], site: CallSite, suffix: str = "", what: 
     return jtu.tree_map(lambda value: value[index] if eqx.is_array(value) else value, cache[key])
 
 
+def put_back(cached: Any, current: Any) -> Any:
+    """The cached arrays in place of the current ones; the leaves a cache holds no
+    array for (`None`: a `dtype=` argument, a flag; `px.cache` keeps arrays only) are
+    the current call's."""
+    return eqx.combine(cached, eqx.filter(current, eqx.is_array, inverse=True))
+
+
 class CachePatch(AbstractHook):
     """A hook that puts the cached value of each call in place of the current one (see
     `px.patch`, which builds the patched model). Usable in any hook wrapper, e.g. in a
@@ -62,7 +69,7 @@ class CachePatch(AbstractHook):
         self.inputs = inputs
 
     def __call__(self, args: Any, site: CallSite) -> Any:
-        cached = cached_at(self.cache, site, ":in" if self.inputs else "")
+        cached = put_back(cached_at(self.cache, site, ":in" if self.inputs else ""), args)
         return cached if self.fn is None else self.fn(args, cached, site)
 
 
@@ -124,7 +131,7 @@ def patch(
         had, also inside `vmap`/`scan` bodies (per step of a scanned stack).
     - `where`: which layers to patch, as in `px.ForwardHook` (`"blocks.1.attn"`: one
         step of a stack; it may be taken from a cache of the whole stack). `None`: the
-        layers the cache holds.
+        sites the cache holds (by their keys: `lin@1` is the second call of `lin`).
     - `fn`: `fn(current, cached, site) -> value`, for partial patches (one position,
         one head slice, a mix; `site` is the `px.CallSite`, with `site.step` in a
         stack); `None` puts the cached value in place. Shapes and dtypes must not change.
@@ -141,7 +148,7 @@ def patch(
     if where is None:
         if not cache:
             raise HookError("px.patch: the cache is empty, so where=None selects no layer")
-        where = sorted({key.split("@")[0].split(":")[0] for key in cache})
+        where = sorted({key.removesuffix(":in") for key in cache})
     hook = CachePatch(cache, fn, inputs=inputs)
     if inputs:
         return Patched(ForwardHook(model, where=where, pre_hook_fn=hook))
