@@ -55,7 +55,8 @@ def skip_unless_available() -> None:
 
 
 def _env() -> dict[str, str]:
-    # No progress bars; one thread per process count left to torch's default.
+    # No progress bars (TransformerLens's patching shows tqdm's); nothing of this
+    # Python's path in the 3.11 venv's.
     return {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": ""}
 
 
