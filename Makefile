@@ -22,13 +22,31 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed
 # - Hugging Face's GPT-2/BERT and a Gemma-like NNX model (test_real_models): third-party
 #   code (transformers pinned alike) through the linen/NNX adapters and attention sites
 #   that test_linen, test_nnx and test_attention_sites check;
+# - TransformerLens's numbers on HF's GPT-2 (test_transformer_lens): that model again,
+#   through `px.cache` and `px.patch`, against a reference in a venv of its own;
 # - statistics, their packing and their pytrees (test_diagnostics,
 #   test_custom_pytree_stats, test_packing): jax.numpy arithmetic on logged values;
 # - the lm1b port (test_port_lm1b): the reads and writes of test_port_metadata and
 #   test_migration_matrix, composed;
 # - packaging, the API reference and the path grammar (test_packaging, test_selection):
 #   no JAX at all.
+# TransformerLens, the reference of tests/test_transformer_lens.py (issue 48): the
+# `transformer-lens` extra of pyproject.toml alone (not px) in a Python 3.11 venv, since
+# the CPU torch wheel is for 3.11. Rebuilt when the extra's requirements change (the
+# stamp holds them). Without a CPU torch wheel at hand (pip's find-links), pass
+# TL_PIP_ARGS='--extra-index-url https://download.pytorch.org/whl/cpu', or pip fetches
+# the CUDA build from PyPI.
+TL_VENV := build/tl-venv
+TL_STAMP := $(TL_VENV)/.installed
+TL_PIP_ARGS ?=
+FIND_PYTHON311 := for c in $(PYTHON311) python3.11 python3 \
+	$(wildcard $(HOME)/.pyenv/versions/3.11*/bin/python3) \
+	$(wildcard /usr/local/bin/python3.11) $(wildcard /usr/bin/python3.11); do \
+	  if $$c -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1; then echo $$c; break; fi; \
+	done
+TL_EXTRA := import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["transformer-lens"])
 FLOOR_LEFT_OUT := tests/test_docs_and_examples.py tests/test_notebook.py tests/test_real_models.py \
+	tests/test_transformer_lens.py \
 	tests/test_diagnostics.py tests/test_custom_pytree_stats.py tests/test_packing.py \
 	tests/test_port_lm1b.py tests/test_packaging.py tests/test_selection.py
 
@@ -42,7 +60,7 @@ NEW_VENV = py=$$($(FIND_PYTHON)); \
 	if [ -z "$$py" ]; then echo "error: peex_interop needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi; \
 	echo "using $$py"; $$py -m venv
 
-.PHONY: demo test docs lint bench bench-tl bench-check check-core test-floor clean
+.PHONY: demo test docs lint bench bench-tl bench-check check-core test-floor tl-venv clean
 
 $(STAMP): pyproject.toml
 	@$(NEW_VENV) $(VENV)
@@ -99,5 +117,17 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor.txt
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -p no:cacheprovider -rs $(addprefix --ignore=,$(FLOOR_LEFT_OUT))
 
+# Not a prerequisite of `make test`: without it, the TransformerLens comparisons skip.
+tl-venv:
+	@py=$$($(FIND_PYTHON311)); \
+	if [ -z "$$py" ]; then echo "error: the TransformerLens venv needs Python 3.11; none found (set PYTHON311=/path/to/python3.11)" >&2; exit 1; fi; \
+	reqs=$$($$py -c '$(TL_EXTRA)'); \
+	if [ -f $(TL_STAMP) ] && [ "$$(cat $(TL_STAMP))" = "$$reqs" ]; then echo "$(TL_VENV) is up to date ($$reqs)"; exit 0; fi; \
+	echo "using $$py: $$reqs"; \
+	rm -rf $(TL_VENV) && $$py -m venv $(TL_VENV) && \
+	$(TL_VENV)/bin/python -m pip install --quiet --upgrade pip && \
+	$(TL_VENV)/bin/python -m pip install --quiet $(TL_PIP_ARGS) $$reqs && \
+	echo "$$reqs" > $(TL_STAMP)
+
 clean:
-	rm -rf $(VENV) $(CORE_VENV) $(FLOOR_VENV) site
+	rm -rf $(VENV) $(CORE_VENV) $(FLOOR_VENV) $(TL_VENV) site

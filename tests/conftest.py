@@ -113,3 +113,14 @@ def pytest_collection_modifyitems(config, items):
         sizes[item.nodeid] = _code_bytes(Path(target) if target else item.path)
     # Stable: a file's tests stay in their order, one after the other.
     items.sort(key=lambda item: -sizes[item.nodeid])
+
+
+@pytest.fixture(scope="session")
+def tl_gpt2():
+    """A tiny HF Flax GPT-2 in px and TransformerLens's results on its weights, computed
+    once per session (tests/transformer_lens_harness.py); skips, saying `make tl-venv`,
+    where build/tl-venv is absent."""
+    import transformer_lens_harness
+
+    transformer_lens_harness.skip_unless_available()
+    return transformer_lens_harness.tiny_gpt2_case()
