@@ -68,7 +68,6 @@ from libraries import DEPTH, FULL_SIZES, LIBRARIES, QUICK_SIZES, use_sizes
 from page import diff_table, jaxpr_table, table
 from port_lm1b import PORT_FULL, PORT_QUICK, PORT_TEXT, port_rows
 from port_same_class import OWN_FULL, OWN_QUICK, own_lm_text, same_class_port_rows
-from transformer_lens_sweeps import transformer_lens_page
 from training_stats import (
     EVERY_TEN_TEXT,
     NARROW,
@@ -80,6 +79,7 @@ from training_stats import (
     train_rows,
     train_variants,
 )
+from transformer_lens_sweeps import transformer_lens_page
 
 # The groups of port rows (`--only`): the linen LM ported to NNX, and two instances of `OwnLM`.
 PORT_GROUPS = ("lm1b", "same-class")

@@ -14,15 +14,15 @@ a logit difference at the last position as the metric:
   layers x heads passes).
 
 Variants: TransformerLens's function (its Python loop, one forward pass per cell, under
-`torch.no_grad` as it runs them); px's `px.patch_sweep` with the metric of the output
-(like for like: the logits of every position computed, as TransformerLens does); and
-with `metric_site="transformer.ln_f"`, the metric of the final residual stream (the
-same numbers: the residual dotted with the difference of the two unembedding columns;
-the runs stop before the unembedding). Both sides use the machine's cores (torch's and
-XLA's default thread counts). Each round times every variant once, in a shuffled order;
-first calls (px: trace, compile and run in this process; TransformerLens: its first
-call after building the model) stand beside the warm medians. Every px table is
-compared with TransformerLens's.
+`torch.no_grad`, as TransformerLens's demos run: `torch.set_grad_enabled(False)`); px's
+`px.patch_sweep` with the metric of the output (like for like: the logits of every
+position computed, as TransformerLens does); and with `metric_site="transformer.ln_f"`,
+the metric of the final residual stream (the same numbers: the residual dotted with the
+difference of the two unembedding columns; the runs stop before the unembedding). Both
+sides use the machine's cores (torch's and XLA's default thread counts). Each round
+times every variant once, in a shuffled order; first calls (px: trace, compile and run
+in this process; TransformerLens: its first call after building the model) stand beside
+the warm medians. Every px table is compared with TransformerLens's.
 
 Usage: `python benchmarks/bench.py --only transformer-lens [--quick] --out
 docs/benchmarks_transformer_lens.md` (`make bench-tl`).
@@ -42,9 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import peex_interop as px
+from page import fmt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from transformer_lens_harness import ReferenceServer, available, gpt2_to_transformer_lens  # noqa: E402
+from transformer_lens_harness import ReferenceServer, available, gpt2_to_transformer_lens
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", FutureWarning)
@@ -133,7 +134,7 @@ def measure(sizes: Sizes) -> tuple[dict, str]:
             table = np.asarray(jax.block_until_ready(call()))
             timings[sweep, variant] = Timing(time.perf_counter() - start, [], table)
         for sweep, fn in TL_FUNCTIONS.items():
-            answer = tl.request(op="time", fn=fn, repeats=1, table=True)
+            answer = tl.request(op="time", fn=fn, repeats=1, table=True)  # its first call
             timings[sweep, "TransformerLens"] = Timing(answer["seconds"][0], [], np.asarray(answer["table"]))
         names, rng = [*variants, *((sweep, "TransformerLens") for sweep in TL_FUNCTIONS)], random.Random(0)
         for _ in range(sizes.rounds):
@@ -147,6 +148,10 @@ def measure(sizes: Sizes) -> tuple[dict, str]:
                     seconds = time.perf_counter() - start
                 timings[sweep, variant].warm.append(seconds)
     return timings, built["versions"]
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1 else fmt(seconds)
 
 
 def page(sizes: Sizes, timings: dict, versions: str, quick: bool) -> str:
@@ -166,8 +171,8 @@ def page(sizes: Sizes, timings: dict, versions: str, quick: bool) -> str:
             diff = float(np.max(np.abs(t.table - reference.table)))
             scale = float(np.max(np.abs(reference.table)))
             lines.append(
-                f"| {sweep} | {variant} | {t.first:.2f} s | {statistics.median(t.warm):.2f} s "
-                f"({min(t.warm):.2f}-{max(t.warm):.2f}) | {ratio:.2f} | {diff:.1e} ({scale:.1e}) |"
+                f"| {sweep} | {variant} | {duration(t.first)} | {duration(statistics.median(t.warm))} "
+                f"({duration(min(t.warm))} - {duration(max(t.warm))}) | {ratio:.2f} | {diff:.1e} ({scale:.1e}) |"
             )
     head = (
         "# Benchmarks: patching sweeps, px and TransformerLens\n\n"

@@ -22,10 +22,13 @@ activations patched into the corrupted run, the metric per cell), with `versions
 `serve` answers one JSON request per line, for timings:
 `{"op": "build", "n_layers": 12, "d_model": 768, "n_heads": 12, "n_ctx": 64,
 "d_vocab": 50257, "batch": 1, "seed": 0}` builds a GPT-2-shaped model with random
-weights and random clean/corrupted tokens of n_ctx positions;
+weights and random clean/corrupted tokens of n_ctx positions (or, given `"weights"`: an
+.npz of `state/`-less state dict arrays, `"clean"`, `"corrupted"`: token lists, those;
+`"correct"`, `"wrong"`: the metric's tokens, 0 and 1 otherwise), answering the versions;
 `{"op": "time", "fn": "get_act_patch_resid_pre", "repeats": 3}` times that patching
-function (the logit difference of tokens 0 and 1 at the last position as metric), each
-call on its own: `{"seconds": [first, warm, ...], "shape": [...]}`;
+function (the logit difference of the two tokens at the last position as metric), each
+call on its own: `{"seconds": [first, warm, ...], "shape": [...]}` (and `"table"`, the
+last call's result as a list, given `"table": true`);
 `{"op": "quit"}` ends. Every answer is one line of JSON (`{"error": ...}` on failure).
 """
 
@@ -134,7 +137,7 @@ def serve() -> None:
     """JSON requests on stdin, one JSON answer per line on stdout (whatever the libraries
     print goes to stderr)."""
     answers, sys.stdout = sys.stdout, sys.stderr
-    model = clean = corrupted = cache = None
+    model = clean = corrupted = cache = metric = None
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -152,24 +155,34 @@ def serve() -> None:
                 if "threads" in request:
                     torch.set_num_threads(int(request["threads"]))
                 model = build(config, seed=request.get("seed", 0))
+                if "weights" in request:
+                    with np.load(request["weights"]) as weights:
+                        load(model, {key: weights[key] for key in weights.files})
                 generator = torch.Generator().manual_seed(request.get("seed", 0))
                 shape = (request.get("batch", 1), request["n_ctx"])
                 clean = torch.randint(0, config["d_vocab"], shape, generator=generator)
                 corrupted = torch.randint(0, config["d_vocab"], shape, generator=generator)
+                if "clean" in request:
+                    clean, corrupted = torch.tensor(request["clean"]), torch.tensor(request["corrupted"])
+                metric = metric_fn({"name": "logit_diff", "correct": request.get("correct", 0),
+                                    "wrong": request.get("wrong", 1)})
                 with torch.no_grad():
                     _, cache = model.run_with_cache(clean)
-                answer = {"ok": True, "threads": torch.get_num_threads()}
+                answer = {"threads": torch.get_num_threads(),
+                          "versions": f"transformer_lens {transformer_lens_version()}, torch {torch.__version__}"}
             elif op == "time":
                 if model is None:
                     raise RuntimeError("no model: send a build request first")
-                metric = metric_fn({"name": "logit_diff", "correct": 0, "wrong": 1})
                 function = getattr(patching, request["fn"])
                 seconds, result = [], None
                 for _ in range(request.get("repeats", 1)):
                     start = time.perf_counter()
-                    result = function(model, corrupted, cache, metric)
+                    with torch.no_grad():  # as TransformerLens's demos run (torch.set_grad_enabled(False))
+                        result = function(model, corrupted, cache, metric)
                     seconds.append(time.perf_counter() - start)
                 answer = {"seconds": seconds, "shape": list(result.shape)}
+                if request.get("table"):
+                    answer["table"] = result.tolist()
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as error:  # the caller decides; the server goes on
