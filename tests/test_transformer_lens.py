@@ -7,7 +7,7 @@ message without it) runs a `HookedTransformer` holding the same weights, unproce
 - `px.cache` gives `run_with_cache`'s values, hook by hook, in TransformerLens's layout
   after the reshape each row names;
 - TransformerLens's activation patching (`transformer_lens.patching`) equals a plain
-  loop of `px.patch`ed forwards, one per cell."""
+  loop of `px.patch`ed forwards, one per cell, and one compiled `px.patch_sweep`."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +115,25 @@ def test_transformer_lens_patching_is_a_loop_of_px_patch(tl_gpt2, patch_cache, n
     assert_matches(value, reference)
     # Not a constant: some cells move the metric away from the corrupted run's.
     assert np.ptp(reference) > 0.1
+
+
+def sweep_spec(name, case):
+    """TransformerLens's patching function `name` as `px.patch_sweep`'s where/inputs/cells
+    (the table of docs/patching.md): positions are axis 1 of (batch, pos, features)
+    values, heads the head-major groups of the output projection's input."""
+    site, inputs, by_position, by_head = harness.PATCH_SITES[name]
+    cells = (*([px.Along(1)] if by_position else []), *([px.Groups(-1, case.n_heads)] if by_head else []))
+    return dict(where=site.format("*"), inputs=inputs, cells=cells)
+
+
+@pytest.mark.parametrize("name", list(harness.PATCH_SITES))
+def test_px_patch_sweep_is_transformer_lens_patching(tl_gpt2, patch_cache, name):
+    """One compiled `px.patch_sweep` per function, TransformerLens's table, cell by cell
+    (its metric averages the batch's logit differences: so does the case's)."""
+    case = tl_gpt2
+    table = px.patch_sweep(case.model, patch_cache, *case.inputs(case.corrupted), metric=case.metric,
+                           **sweep_spec(name, case))
+    assert_matches(table, case.tl[f"patching/{name}"])
 
 
 def test_skipped_with_a_message_without_the_venv(monkeypatch, tmp_path):
