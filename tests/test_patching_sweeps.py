@@ -277,3 +277,29 @@ def test_a_metric_of_the_final_residual_gives_the_logit_differences(gpt2):
     close(paths(metric=final, metric_site="transformer.ln_f"), paths(metric=answer), tol=1e-5)
     with pytest.raises(px.HookError, match=r"metric_site='transformer\.h\.\*' selects 2 calls"):
         sweep(metric=final, metric_site="transformer.h.*")
+
+
+def test_rows_are_in_call_order_past_ten_layers():
+    """Eleven layers: row i is layer i (a log's keys, sorted as strings, would put
+    `layers.10` before `layers.2`)."""
+    import equinox as eqx
+
+    class Deep(eqx.Module):
+        layers: list
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = x + layer(x)  # a residual stream: each layer's patch reaches the output
+            return x
+
+    keys = jax.random.split(jax.random.key(0), 11)
+    model = Deep([eqx.nn.Linear(3, 3, key=k) for k in keys])
+    clean, corrupted = jnp.arange(3.0), -jnp.arange(3.0)
+    _, cache = px.cache(model, clean, where="layers.*")
+    rows = px.sweep_rows(model, corrupted, where="layers.*")
+    assert rows == [f"layers.{i}" for i in range(11)]
+    table = px.patch_sweep(model, cache, corrupted, where="layers.*", cells=px.Along(0), metric=jnp.sum)
+    first = lambda current, cached, site: current.at[0].set(cached[0])  # one feature: the rest differs
+    expected = [jnp.sum(px.patch(model, cache, row, fn=first)(corrupted)) for row in rows]
+    close(table[:, 0], jnp.stack(expected), tol=1e-6)
+    assert np.ptp(np.asarray(expected)) > 1e-3

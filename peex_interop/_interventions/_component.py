@@ -120,7 +120,7 @@ def split_leaf(value: PyTree, inputs: bool, path: str) -> tuple[Any, Callable[[A
 def entries(
     model: PyTree, args: tuple, kwargs: dict, component: Component, cache: Mapping[str, Any] | None
 ) -> list[Entry]:
-    """The component's selected calls, in the order of the log's keys, by one shape pass
+    """The component's selected calls, in the order the model makes them, by one shape pass
     of `model(*args, **kwargs)`. Each must fit its cells and have a value of its shape
     in `cache` (where a sweep takes the values it patches in; `None`: not checked);
     else `px.HookError`."""
@@ -150,8 +150,10 @@ def entries(
     if not facts:
         raise HookError(f"where={component.where!r} selects no call of the model on these arguments")
     found = []
-    for key in (key[: -len(suffix)] if suffix else key for key in log):
-        path, call_index, roots, stack_axes = facts[key]
+    # The order of the calls (`facts` is filled as the model runs), not the log's: a log
+    # returned through a transform is a pytree dict, its keys sorted as strings
+    # (`h.0`, `h.1`, `h.10`, `h.11`, `h.2`, ...), which would permute a sweep's rows.
+    for key, (path, call_index, roots, stack_axes) in facts.items():
         shape = tuple(split_leaf(log[key + suffix], component.inputs, path)[0].shape)
         steps = [shape[axis] for axis in stack_axes]
         row_shape = tuple(n for axis, n in enumerate(shape) if axis not in stack_axes)

@@ -157,7 +157,7 @@ def patch_sweep(
     **Returns:**
 
     An array `(rows, *cell counts)`: row `i` is the `i`-th selected call in the order
-    of the log's keys (`px.sweep_rows` names them), each step of a scanned stack a row
+    the model makes them (`px.sweep_rows` names them: `h.2` before `h.10`), each step of a scanned stack a row
     of its own. Every call must split into the same counts. A `where` that selects
     nothing, a cache without a selected call's value (or with one of another shape), a
     cell axis out of range or not divisible raise `px.HookError` naming the layer.
