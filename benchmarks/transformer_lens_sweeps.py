@@ -147,6 +147,10 @@ def measure(sizes: Sizes) -> tuple[dict, str]:
                     jax.block_until_ready(variants[sweep, variant]())
                     seconds = time.perf_counter() - start
                 timings[sweep, variant].warm.append(seconds)
+    for (sweep, variant), timing in timings.items():
+        reference = timings[sweep, "TransformerLens"].table
+        if timing.table.shape != reference.shape or not np.allclose(timing.table, reference, atol=1e-4, rtol=1e-4):
+            raise AssertionError(f"{sweep}, {variant}: the table differs from TransformerLens's")
     return timings, built["versions"]
 
 
