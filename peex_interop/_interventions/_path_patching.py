@@ -151,12 +151,28 @@ def path_patch(
     replaced by its value in pass 1 (the corrupted input, the sender's cell clean, the
     freeze sites corrupted).
     """
-    paths = (sender, receiver, _freezes(freeze))
+    cells = (sender_cell if isinstance(sender_cell, int) else tuple(sender_cell),
+             receiver_cell if isinstance(receiver_cell, int) else tuple(receiver_cell))
+    return _path_patch(model, dict(clean_cache), args, kwargs, (sender, receiver, _freezes(freeze)), cells)
+
+
+# Compiled as one program: both passes and the corrupted run that freezes take their
+# values from (eagerly, each of their operations would be dispatched, and compiled, alone).
+@eqx.filter_jit
+def _path_patch(
+    model: PyTree,
+    clean_cache: dict,
+    args: tuple,
+    kwargs: dict,
+    paths: tuple[Component, Component, tuple[Component, ...]],
+    cells: tuple[int | tuple[int, ...], int | tuple[int, ...]],
+) -> Any:
+    sender, receiver, freezes = paths
     senders = entries(model, args, kwargs, sender, clean_cache)
     receivers = entries(model, args, kwargs, receiver, None)
-    sent = _every_entry(senders, sender, _checked_cell(senders, sender_cell, "sender_cell"))
-    received = _every_entry(receivers, receiver, _checked_cell(receivers, receiver_cell, "receiver_cell"))
-    frozen = _frozen_values(model, args, kwargs, paths[2])
+    sent = _every_entry(senders, sender, _checked_cell(senders, cells[0], "sender_cell"))
+    received = _every_entry(receivers, receiver, _checked_cell(receivers, cells[1], "receiver_cell"))
+    frozen = _frozen_values(model, args, kwargs, freezes)
     recorded = _recorded(model, clean_cache, frozen, args, kwargs, paths, sent)
     return patched(model, recorded, receiver, received)(*args, **kwargs)
 
