@@ -53,7 +53,7 @@ for block, row in enumerate(np.asarray(heads)):
 # Path patching: head 2 of block 0, clean, into the values of head 1 of block 2 only
 # (c_attn's output is each head's queries, keys and values: 3 x HEADS groups); every
 # head output and MLP held at its corrupted value in between.
-head_outputs = lambda where: px.Component(where, px.Groups(-1, HEADS), inputs=True)  # noqa: E731
+head_outputs = lambda where: px.Component(where, px.Groups(-1, HEADS), inputs=True)
 freeze = [head_outputs(heads_in), px.Component("transformer.h.*.mlp")]
 out = px.path_patch(model, clean_cache, corrupted, *rest,
                     sender=head_outputs("transformer.h.0.attn.c_proj"), sender_cell=2,
