@@ -46,3 +46,29 @@ def test_quick_bench_writes_the_page(tmp_path):
     for model, variant, diff, scale in diffs:
         assert float(scale) > 0 and float(diff) <= 1e-5 * float(scale), (model, variant, diff)
     assert any(line.startswith("- **Targets missed:") for line in lines)
+
+
+@pytest.mark.bench
+def test_quick_transformer_lens_bench_writes_its_page(tmp_path):
+    """`--only transformer-lens --quick`: px's sweeps and TransformerLens's on a tiny
+    GPT-2, every variant's row with its times, each px table equal to TransformerLens's
+    (the run fails otherwise). Skipped, saying why, without build/tl-venv."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import transformer_lens_harness
+
+    transformer_lens_harness.skip_unless_available()
+    out = tmp_path / "benchmarks_transformer_lens.md"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--only", "transformer-lens", "--quick",
+         "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| sweep")]
+    assert {(r[0], r[1]) for r in rows} == {
+        (sweep, variant) for sweep in ("resid_pre", "head out")
+        for variant in ("TransformerLens", "px", "px, metric of ln_f")
+    }
+    for r in rows:
+        diff, scale = re.fullmatch(r"(\S+) \((\S+)\)", r[5]).groups()
+        assert float(scale) > 0 and float(diff) <= 1e-5 * float(scale), r

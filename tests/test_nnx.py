@@ -307,7 +307,7 @@ def test_layers_the_model_has_that_did_not_run_are_no_error():
     # raises at the call, naming the closest paths; a pattern that matches a layer that
     # ran but was not selected, after it too.
     hooked = px.ForwardHook(model, where=["lin", "extr"])
-    with pytest.raises(px.HookError, match="'extr' selected no call.*Closest layers called: lin"):
+    with pytest.raises(px.HookError, match=r"'extr' selected no call.*Closest layers called: lin"):
         hooked(x)
     with pytest.raises(px.HookError, match=r"'extra' selected no call"):
         px.ForwardHook(model, log_fn={"extra": px.IdentityLog()}, where="lin")(x, extra=True)
