@@ -6,8 +6,9 @@ message without it) runs a `HookedTransformer` holding the same weights, unproce
 
 - `px.cache` gives `run_with_cache`'s values, hook by hook, in TransformerLens's layout
   after the reshape each row names;
-- TransformerLens's activation patching (`transformer_lens.patching`) equals a plain
-  loop of `px.patch`ed forwards, one per cell, and one compiled `px.patch_sweep`."""
+- TransformerLens's activation patching (`transformer_lens.patching`) equals one
+  compiled `px.patch_sweep` per function (which tests/test_patching_sweeps.py checks
+  against a loop of `px.patch`ed forwards, one per cell)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,17 +107,6 @@ def patch_cache(tl_gpt2):
     return harness.clean_cache(tl_gpt2)
 
 
-@pytest.mark.parametrize("name", list(harness.PATCH_SITES))
-def test_transformer_lens_patching_is_a_loop_of_px_patch(tl_gpt2, patch_cache, name):
-    case = tl_gpt2
-    reference = case.tl[f"patching/{name}"]
-    value = harness.patch_loop(case, name, patch_cache)
-    assert value.shape == reference.shape
-    assert_matches(value, reference)
-    # Not a constant: some cells move the metric away from the corrupted run's.
-    assert np.ptp(reference) > 0.1
-
-
 def sweep_spec(name, case):
     """TransformerLens's patching function `name` as `px.patch_sweep`'s where/inputs/cells
     (the table of docs/patching.md): positions are axis 1 of (batch, pos, features)
@@ -133,7 +123,9 @@ def test_px_patch_sweep_is_transformer_lens_patching(tl_gpt2, patch_cache, name)
     case = tl_gpt2
     table = px.patch_sweep(case.model, patch_cache, *case.inputs(case.corrupted), metric=case.metric,
                            **sweep_spec(name, case))
-    assert_matches(table, case.tl[f"patching/{name}"])
+    reference = case.tl[f"patching/{name}"]
+    assert_matches(table, reference)
+    assert np.ptp(reference) > 0.1  # not a constant: some cells move the metric
 
 
 def test_skipped_with_a_message_without_the_venv(monkeypatch, tmp_path):

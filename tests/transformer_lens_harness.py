@@ -9,9 +9,8 @@ would hide the real package.)
 Reuse: `tiny_gpt2_case()` (the session fixture `tl_gpt2` in tests/conftest.py) gives a
 `GPT2Case`: the px model, clean and corrupted inputs, the metric as a function of the
 model's output, TransformerLens's results (`case.tl["patching/get_act_patch_resid_pre"]`,
-`case.tl["cache/blocks.0.attn.hook_pattern"]`, ...); `patch_loop(case, name)` is px's
-value of TransformerLens's patching function `name`, one `px.patch`ed forward per cell
-(`PATCH_SITES`: where each patches). `ReferenceServer` times TransformerLens's patching
+`case.tl["cache/blocks.0.attn.hook_pattern"]`, ...); `PATCH_SITES` says where each of
+TransformerLens's patching functions patches, in px's terms. `ReferenceServer` times TransformerLens's patching
 in a persistent process, for a benchmark that interleaves rounds with px.
 """
 
@@ -25,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -325,50 +323,7 @@ PATCH_SITES = {
 }
 
 
-def _with_cells(current: Any, cached: Any, inputs: bool, position: Any, head: Any, d_head: int) -> Any:
-    """`current` (an output, a 1-tuple, or an inputs pair whose first argument is the
-    hidden states) with the cells given taken from `cached`."""
-    if inputs:
-        (args, kwargs), (cached_args, _) = current, cached
-        return (_with_cells(args[0], cached_args[0], False, position, head, d_head), *args[1:]), kwargs
-    if isinstance(current, tuple):
-        return (_with_cells(current[0], cached[0], False, position, head, d_head), *current[1:])
-    positions, features = jnp.arange(current.shape[1])[:, None], jnp.arange(current.shape[2])[None, :]
-    cells = jnp.ones(current.shape[1:], bool)
-    if position is not None:
-        cells &= positions == position
-    if head is not None:
-        cells &= features // d_head == head
-    return jnp.where(cells, cached, current)
-
-
-@eqx.filter_jit
-def _patched_logits(model: Any, cache: Any, args: Any, where: str, inputs: bool, position: Any, head: Any, d_head: int):
-    fn = lambda current, cached, site: _with_cells(current, cached, inputs, position, head, d_head)
-    return px.patch(model, cache, where=where, fn=fn, inputs=inputs)(*args).logits
-
-
 def clean_cache(case: "GPT2Case") -> dict[str, Any]:
     """The clean run's cache of every site `PATCH_SITES` names, inputs included."""
     where = sorted({site.format(i) for site, *_ in PATCH_SITES.values() for i in range(case.n_layers)})
     return px.cache(case.model, *case.inputs(case.clean), where=where, inputs=True)[1]
-
-
-def patch_loop(case: "GPT2Case", name: str, cache: dict[str, Any] | None = None) -> np.ndarray:
-    """px's value of `transformer_lens.patching.<name>`: the metric of the corrupted
-    run with the clean value patched in, cell by cell (a plain Python loop, one
-    `px.patch`ed forward per cell; compiled once per block, the cell an argument)."""
-    site, inputs, by_position, by_head = PATCH_SITES[name]
-    cache = clean_cache(case) if cache is None else cache
-    positions = range(case.clean.shape[1]) if by_position else [None]
-    heads = range(case.n_heads) if by_head else [None]
-    cell = lambda i: None if i is None else jnp.asarray(i)
-    args = case.inputs(case.corrupted)
-    out = np.array([
-        [[float(case.metric_of_logits(
-            _patched_logits(case.model, cache, args, site.format(layer), inputs, cell(p), cell(h), case.d_head)
-        )) for h in heads]
-         for p in positions]
-        for layer in range(case.n_layers)
-    ])
-    return out.reshape(case.n_layers, *([len(positions)] if by_position else []), *([len(heads)] if by_head else []))
