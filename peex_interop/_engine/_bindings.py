@@ -81,22 +81,15 @@ def _owner(namespace: dict) -> Any:
         return _namespaces[id(namespace)]
 
 
-def _bound(value: Any, wanted: set[int]) -> bool:
-    if id(value) in wanted:
-        return True
-    # A name another overlapping call has already replaced.
-    return (
-        type(value) is types.FunctionType
-        and _patching.ORIGINAL in vars(value)
-        and id(_patching.unwrap(value)) in wanted
-    )
-
-
 def bindings(functions: Sequence[Callable], *code: Callable) -> list[tuple[Any, str]]:
     """(owner, name) of every global name bound to one of `functions`, in every loaded
     module and in the globals of `code` (and of the functions they wrap), and of every
     closure cell of those holding one."""
+    # The functions and the replacements of them another overlapping call installed:
+    # a set of ids, so that the scan of every module's globals (tens of thousands of
+    # names) is one set lookup per name.
     wanted = {id(function) for function in functions}
+    wanted |= _patching.replacements_of(wanted)
     namespaces = {id(vars(m)): vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")}
     found = []
     for inner in code:
@@ -106,13 +99,16 @@ def bindings(functions: Sequence[Callable], *code: Callable) -> list[tuple[Any, 
             if isinstance(inner, types.FunctionType) and inner.__closure__:
                 for name, cell in zip(inner.__code__.co_freevars, inner.__closure__):
                     try:
-                        if _bound(cell.cell_contents, wanted):
+                        if id(cell.cell_contents) in wanted:
                             found.append((_cell_owner(cell, name), name))
                     except ValueError:  # a cell not filled yet
                         pass
             inner = getattr(inner, "__wrapped__", None)
     for namespace in namespaces.values():
-        for name, value in list(namespace.items()):
-            if _bound(value, wanted):
-                found.append((_owner(namespace), name))
+        # Most namespaces hold none: told apart without a Python step per name (copies:
+        # another thread may import meanwhile).
+        if wanted.isdisjoint(map(id, list(namespace.values()))):
+            continue
+        names = [name for name, value in list(namespace.items()) if id(value) in wanted]
+        found.extend((_owner(namespace), name) for name in names)
     return sorted(found, key=lambda entry: (id(entry[0]), entry[1]))

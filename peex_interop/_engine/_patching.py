@@ -10,6 +10,8 @@ import contextlib
 import functools
 import inspect
 import threading
+import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -21,6 +23,11 @@ _lock = threading.Lock()
 _installed: dict[tuple[int, str], list] = {}
 
 ORIGINAL = "__peex_interop_original__"
+# Every replacement function still alive, by id: a name bound to one elsewhere (by an
+# overlapping call, or a `from x import f` run while it was installed) is a binding of
+# its original (`replacements_of`). Weak, so that an id is forgotten with its function
+# and never matches an object that reuses it.
+_replacements: "weakref.WeakValueDictionary[int, Callable]" = weakref.WeakValueDictionary()
 # The attribute name that stands for the function a JAX entry point wraps (see `_jax.wrapped_cell`).
 WRAPPED_FUNCTION = "<wrapped function>"
 
@@ -30,6 +37,13 @@ def unwrap(value: Any) -> Any:
     while hasattr(value, ORIGINAL):
         value = getattr(value, ORIGINAL)
     return value
+
+
+def replacements_of(wanted: set[int]) -> set[int]:
+    """The ids of the live replacement functions whose original's id is in `wanted`."""
+    with _lock:
+        alive = list(_replacements.values())
+    return {id(replacement) for replacement in alive if id(unwrap(replacement)) in wanted}
 
 
 def current(owner: Any, name: str) -> Any:
@@ -75,6 +89,8 @@ def _install(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
             original = unwrap(getattr(owner, name))
         replacement = make(original)
         setattr(replacement, ORIGINAL, original)  # how `unwrap` and chained patches find it
+        if type(replacement) is types.FunctionType:
+            _replacements[id(replacement)] = replacement
         if name == WRAPPED_FUNCTION:
             _jax.wrapped_cell(owner).cell_contents = replacement
         else:
