@@ -128,6 +128,40 @@ def test_px_patch_sweep_is_transformer_lens_patching(tl_gpt2, patch_cache, name)
     assert np.ptp(reference) > 0.1  # not a constant: some cells move the metric
 
 
+def sweep_of(case, metric_where, **spec):
+    _, cache = px.cache(case.model, *case.inputs(case.clean), where=metric_where, inputs=True)
+    return px.patch_sweep(case.model, cache, *case.inputs(case.corrupted), metric=case.metric, **spec)
+
+
+def test_a_sweep_of_the_weights_head_axis_is_pattern_patching(tl_gpt2):
+    """`get_act_patch_attn_head_pattern_all_pos`: the weights' head axis, 1 in (batch,
+    head, query, key)."""
+    case, where = tl_gpt2, "transformer.h.*.attn.weights"
+    reference = case.tl["patching/get_act_patch_attn_head_pattern_all_pos"]
+    assert_matches(sweep_of(case, where, where=where, cells=px.Along(1)), reference)
+    assert np.ptp(reference) > 0.1
+
+
+def test_hf_gpt2_has_no_resid_mid_site(tl_gpt2):
+    """docs/patching.md says so: HF's block keeps the residual sum in a local, and the
+    second LayerNorm's input is only the MLP's; patching it is not TransformerLens's
+    `get_act_patch_resid_mid`."""
+    case, where = tl_gpt2, "transformer.h.*.ln_2"
+    table = sweep_of(case, where, where=where, inputs=True, cells=px.Along(1))
+    assert not np.allclose(table, case.tl["patching/get_act_patch_resid_mid"], atol=1e-2)
+
+
+def test_one_sweep_of_c_attn_is_the_query_key_and_value_patching(tl_gpt2):
+    """`get_act_patch_attn_head_{q,k,v}_all_pos` in one table: c_attn's output is
+    [q | k | v], each head-major."""
+    case, where = tl_gpt2, "transformer.h.*.attn.c_attn"
+    table = sweep_of(case, where, where=where, cells=px.Groups(-1, 3 * case.n_heads))
+    for i, part in enumerate("qkv"):
+        reference = case.tl[f"patching/get_act_patch_attn_head_{part}_all_pos"]
+        assert_matches(table[:, i * case.n_heads : (i + 1) * case.n_heads], reference)
+        assert np.ptp(reference) > 0.01
+
+
 def test_skipped_with_a_message_without_the_venv(monkeypatch, tmp_path):
     monkeypatch.setattr(harness, "TL_VENV", tmp_path / "absent")
     monkeypatch.setattr(harness, "TL_PYTHON", tmp_path / "absent" / "bin" / "python")

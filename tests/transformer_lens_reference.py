@@ -48,6 +48,11 @@ PATCHING = (
     "get_act_patch_attn_head_out_by_pos",
     "get_act_patch_mlp_out",
     "get_act_patch_attn_out",
+    "get_act_patch_resid_mid",
+    "get_act_patch_attn_head_pattern_all_pos",
+    "get_act_patch_attn_head_q_all_pos",
+    "get_act_patch_attn_head_k_all_pos",
+    "get_act_patch_attn_head_v_all_pos",
 )
 
 
