@@ -144,11 +144,12 @@ class HookContext:
             count = self.counts.get(path, 0)
             self.counts[path] = count + 1
             selection = self.selection.inner if isinstance(module, InnerCall) else self.selection
-            roots, lengths = [root for _, root in stacks], [self.scopes[d].length or 0 for d, _ in stacks]
             key = name if count == 0 else f"{name}@{count}"
-            if not selection.selects_call(path, module, kind, count, roots, lengths):
-                self.passed_over.add(key)
-                return call(*args, **kwargs)  # another call of the layer is named (`lin@1`)
+            if selection.names_calls:  # a name of one call (`lin@1`): is it this one?
+                roots, lengths = [root for _, root in stacks], [self.scopes[d].length or 0 for d, _ in stacks]
+                if not selection.selects_call(path, module, kind, count, roots, lengths):
+                    self.passed_over.add(key)
+                    return call(*args, **kwargs)  # another call of the layer is named
             active, one_step = None, False
             if steps is not True:
                 key, active, one_step = _steps.at_steps(self.scopes, key, name, stacks, steps)

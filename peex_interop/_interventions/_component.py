@@ -24,7 +24,7 @@ from .._engine import CallSite, Where, step_path
 from .._errors import HookError
 from .._hooks import ForwardHook, IdentityLog
 from ._cells import WHOLE, Cells, cell_counts, cell_mask
-from ._patch import CachePatch, Patched, cached_at
+from ._patch import Patched, cached_at, patched_at
 
 
 def _static(where: Where) -> Where:
@@ -206,10 +206,7 @@ def patched(model: PyTree, cache: Mapping[str, Any], component: Component, fn: C
     """`model` with `fn(current, cached, site)` applied to the component's calls, `cached`
     taken from `cache` (`None`: the cached value in place), as `px.patch` does, with the
     component's own selection (`where=None` selects every layer here)."""
-    hook = CachePatch(cache, fn, inputs=component.inputs)
-    if component.inputs:
-        return Patched(ForwardHook(model, pre_hook_fn=hook, where=component.where))
-    return Patched(ForwardHook(model, hook_fn=hook, where=component.where))
+    return patched_at(model, cache, component.where, fn, component.inputs)
 
 
 def sweep_rows(model: PyTree, *args: Any, where: Where, inputs: bool = False, **kwargs: Any) -> list[str]:

@@ -149,6 +149,12 @@ def patch(
         if not cache:
             raise HookError("px.patch: the cache is empty, so where=None selects no layer")
         where = sorted({key.removesuffix(":in") for key in cache})
+    return patched_at(model, cache, where, fn, inputs)
+
+
+def patched_at(model: PyTree, cache: Mapping[str, Any], where: Where, fn: PatchFn | None, inputs: bool) -> Patched:
+    """`model` with a `CachePatch` on the calls `where` selects (`None`: every layer),
+    on their inputs or outputs."""
     hook = CachePatch(cache, fn, inputs=inputs)
     if inputs:
         return Patched(ForwardHook(model, where=where, pre_hook_fn=hook))

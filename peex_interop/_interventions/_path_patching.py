@@ -26,7 +26,7 @@ from .._errors import HookError
 from .._hooks import ForwardHook, IdentityLog
 from ._cache import cache
 from ._component import Component, Entry, entries, patch_cell, patched
-from ._sweep import Metric, entry_patch, map_cells, measured, same_counts
+from ._sweep import Metric, entry_patch, map_cells, same_counts, table_of
 
 # What `freeze=` takes: a component, several, or a `where=` of outputs.
 Freeze = Component | Sequence[Component] | Where
@@ -191,7 +191,7 @@ def _path_sweep(
     sender, receiver, freezes = paths
     senders = entries(model, args, kwargs, sender, clean_cache)
     receivers = entries(model, args, kwargs, receiver, None)
-    sender_counts, receiver_counts = same_counts(senders), same_counts(receivers)
+    sender_counts = same_counts(senders)
     frozen = _frozen_values(model, args, kwargs, freezes)
     rows = []
     for sent in senders:
@@ -199,15 +199,8 @@ def _path_sweep(
         def per_sender(flat: Any, sent: Entry = sent) -> Array:
             fn = entry_patch(sent, sender, *sent.unravel(flat))
             recorded = _recorded(model, clean_cache, frozen, args, kwargs, paths, fn)
-            columns = []
-            for received in receivers:
-
-                def per_receiver(flat: Any, received: Entry = received) -> Any:
-                    fn = entry_patch(received, receiver, *received.unravel(flat))
-                    return measured(patched(model, recorded, receiver, fn), metric, metric_site, args, kwargs)
-
-                columns.append(map_cells(per_receiver, received.size, batch_size).reshape(-1, *receiver_counts))
-            return jnp.concatenate(columns)
+            # Pass 2: a sweep of the receivers, their values taken from pass 1.
+            return table_of(model, recorded, receivers, receiver, metric, metric_site, args, kwargs, batch_size)
 
         table = map_cells(per_sender, sent.size, batch_size)
         rows.append(table.reshape(-1, *sender_counts, *table.shape[1:]))

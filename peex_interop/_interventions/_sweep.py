@@ -90,6 +90,22 @@ def _sweep(
     batch_size: int | None,
 ) -> Array:
     found = entries(model, args, kwargs, component, cache)
+    return table_of(model, cache, found, component, metric, metric_site, args, kwargs, batch_size)
+
+
+def table_of(
+    model: PyTree,
+    cache: Mapping[str, Any],
+    found: list[Entry],
+    component: Component,
+    metric: Metric,
+    metric_site: str | None,
+    args: tuple,
+    kwargs: dict,
+    batch_size: int | None,
+) -> Array:
+    """`metric` of a run with each cell of each row of `found` (the component's calls)
+    patched from `cache` alone: `(rows, *cell counts)`. Path patching's pass 2 too."""
     counts = same_counts(found)
     rows = []
     for entry in found:
