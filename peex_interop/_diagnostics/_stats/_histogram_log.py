@@ -8,48 +8,40 @@ from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from ..._engine import CallSite
-from ._histogram import Histogram
+from ._histogram import Histogram, bin_edges, edge_spacing
 from ._statistic_logs import _AbstractStatisticLog, _kept_axes, _leafwise
 from ._when_due import _real_cond, _when_due
 
 
-def _edges(index: Any, low: Any, high: Any, bins: int) -> Any:
-    """The edges `index` (integers from 0 to `bins`) of `bins` equal bins from `low` to
-    `high`, computed elementwise: no gather from a table of edges, which is slow under
-    vmap on CPU; the same operations give the same bits for any shape of `index`."""
-    # numpy.linspace's arithmetic in the range's precision, so that on CPU the edges are
-    # numpy's to the bit. jnp.linspace rounds differently, and XLA would turn a division
-    # by a constant (or a broadcast scalar, under vmap) into a multiplication by its
-    # reciprocal and fuse the multiply-add: a divisor computed from the data
-    # (`delta - delta + bins`, which XLA does not fold for floats) behind a barrier, and
-    # a barrier between the multiply and the add, keep each operation rounded as numpy
-    # rounds it. (XLA's GPU division is not correctly rounded, so there an edge can
-    # differ from numpy's in its last bit; the counts are exact for the edges logged, on
-    # every backend.)
-    # A range wider than the dtype's largest value (float32 values near -3e38 and 3e38)
-    # has an infinite width, which would make every edge NaN: it is then computed
-    # halved. Scaling by a power of two is exact, so other ranges keep numpy's bits.
-    scale = jnp.where(jnp.isfinite(high - low), 1, 2).astype(low.dtype)
-    delta = high / scale - low / scale
-    step = delta / lax.optimization_barrier(delta - delta + bins)
-    edge = (lax.optimization_barrier(index.astype(low.dtype) * step) + low / scale) * scale
-    return jnp.where(index == bins, high, edge)
+def _bincount(index: Any, length: int) -> Any:
+    """`jnp.bincount(index, length=length)` of a flat array of indices in range: one
+    scatter-add. Its ones are a constant, which jnp.bincount would broadcast (an array
+    as large as the indices, written on every call), and the indices are taken as they
+    are (`.at[]` first maps negative ones: one more pass writing them out)."""
+    numbers = lax.ScatterDimensionNumbers(
+        update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+    )
+    return lax.scatter_add(
+        jnp.zeros(length, jnp.int32), index[:, None], np.ones(index.shape, np.int32), numbers,
+        indices_are_sorted=False, unique_indices=False, mode=lax.GatherScatterMode.FILL_OR_DROP,
+    )
 
 
 @functools.cache
 def _counter(length: int) -> Callable[[Any], Any]:
-    """`bincount(index, length=length)`, whose vmap counts all the examples with one
-    bincount of offset indices: vmapped, bincount becomes a scatter with batch
-    dimensions, several times slower on CPU."""
+    """`bincount(index, length=length)` of indices in range, whose vmap counts all the
+    examples with one bincount of offset indices: vmapped, bincount becomes a scatter
+    with batch dimensions, several times slower on CPU."""
 
     @custom_vmap
     def count(index):
-        return jnp.bincount(index, length=length)
+        return _bincount(index, length)
 
     @count.def_vmap
     def count_mapped(axis_size, in_batched, index):
@@ -57,9 +49,16 @@ def _counter(length: int) -> Callable[[Any], Any]:
             return count(index), False
         offsets = jnp.arange(axis_size, dtype=index.dtype).reshape(-1, *([1] * (index.ndim - 1)))
         flat = jnp.ravel(index + offsets * length)
-        return jnp.bincount(flat, length=axis_size * length).reshape(axis_size, length), True
+        return _bincount(flat, axis_size * length).reshape(axis_size, length), True
 
     return count
+
+
+def _finite_extrema(x: Any) -> tuple[Any, Any]:
+    """The min and max of the finite values of `x` (`inf`, `-inf` if none)."""
+    finite = jnp.isfinite(x)
+    low = jnp.min(jnp.where(finite, x, jnp.inf), initial=jnp.inf)
+    return low, jnp.max(jnp.where(finite, x, -jnp.inf), initial=-jnp.inf)
 
 
 @custom_vmap
@@ -69,9 +68,12 @@ def _extrema(x: Any) -> tuple[Any, Any]:
     of every element's values: the same for all, so that their histograms have the same
     bins and pool exactly. A vmap around the model is the user's: unnamed, it has no
     axis for a collective (`jax.lax.pmin`) to share the range over."""
-    finite = jnp.isfinite(x)
-    low = jnp.min(jnp.where(finite, x, jnp.inf), initial=jnp.inf)
-    return low, jnp.max(jnp.where(finite, x, -jnp.inf), initial=-jnp.inf)
+    # The plain min and max, which a NaN or an infinity makes non-finite, are those of
+    # the finite values otherwise: two reductions XLA:CPU reads the values straight
+    # into, where masking the non-finite ones out first writes each mask's output
+    # (~2 passes more over every layer's values).
+    low, high = jnp.min(x, initial=jnp.inf), jnp.max(x, initial=-jnp.inf)
+    return _real_cond(jnp.isfinite(low) & jnp.isfinite(high), lambda x: (low, high), _finite_extrema, x)
 
 
 @_extrema.def_vmap
@@ -93,23 +95,32 @@ def _finite_range(x: Any, axis_names: tuple[Hashable, ...]) -> tuple[Any, Any]:
     return jnp.where(none, 0, low).astype(x.dtype), jnp.where(none, 1, high).astype(x.dtype)
 
 
-def _estimated_bins(x: Any, low: Any, high: Any, bins: int) -> Any:
+def _bins_per_unit(low: Any, high: Any, bins: int) -> Any:
+    """`bins / (high - low)`, in float32 at least, by which `_estimated_bins` scales
+    every value's distance from `low` (numpy's `norm`): computed once, behind a
+    barrier, or XLA would divide again for every value."""
+    wide = jnp.promote_types(low.dtype, jnp.float32)
+    return lax.optimization_barrier(bins / (high.astype(wide) - low.astype(wide)))
+
+
+def _estimated_bins(x: Any, low: Any, high: Any, bins: int, spacing: tuple[Any, Any], per_unit: Any) -> Any:
     """The bin of each value from its position in the range, then corrected against
     the edges (numpy's own fast path for equal bins): exact when the position is off
     by less than half a bin (`_estimates_exact`). jnp.histogram lowers to a binary
-    search plus a scatter-add; this and one bincount are ~2x faster on CPU."""
+    search plus a scatter-add; this and one bincount are ~2x faster on CPU.
+    `spacing`: `edge_spacing(low, high, bins)`; `per_unit`: `_bins_per_unit(low, high,
+    bins)`."""
     # In float32 at least: the position's own rounding is then negligible.
-    wide = jnp.promote_types(x.dtype, jnp.float32)
-    position = (x.astype(wide) - low.astype(wide)) / (high.astype(wide) - low.astype(wide)) * bins
+    position = (x.astype(per_unit.dtype) - low.astype(per_unit.dtype)) * per_unit
     # Half a bin up, the estimate is the value's bin or the next one, never the one
     # before: one edge to compare against instead of numpy's two (the estimate's and
     # the next one's), ~10% of a histogram's cost on CPU.
     index = jnp.clip(jnp.floor(position + 0.5).astype(jnp.int32), 0, bins - 1)
-    return index - (x < _edges(index, low, high, bins))
+    return index - (x < bin_edges(index, low, high, bins, spacing))
 
 
 def _searched_bins(x: Any, edges: Any, bins: int) -> Any:
-    """The bin of each value by a binary search in the logged edges (the last bin `i`
+    """The bin of each value by a binary search in the edges (the last bin `i`
     with `edges[i] <= x`): exact whatever the edges, repeated ones included. ~2x the
     estimate's cost (a gather per step), so only for ranges too narrow for it."""
     size = 1 << bins.bit_length()  # > bins: the table's padding is never a bin
@@ -149,7 +160,7 @@ class HistogramLog(_AbstractStatisticLog):
     histograms `px.pool_stats` then pools exactly. Only the steps of a scan (inside the
     model or around it) keep ranges of their own: `px.pool_stats` refuses to pool the
     steps of the model's own scans while tracing, and those of a scan around the model
-    (which no trace tells from a vmap) by their edges: it raises eagerly, and inside
+    (which no trace tells from a vmap) by their ranges: it raises eagerly, and inside
     jit returns NaN edges and counts of -1. Give an explicit `range` to pool them.
 
     A forward log only: a `px.BackwardHook` log travels as a gradient, and gradients do
@@ -201,29 +212,31 @@ class HistogramLog(_AbstractStatisticLog):
         else:
             low, high = (jnp.asarray(end, x.dtype) for end in self.range)
             kept = 0  # the same bins along every axis
-        edges = _edges(jnp.arange(self.bins + 1), low, high, self.bins)
+        spacing, per_unit = edge_spacing(low, high, self.bins), _bins_per_unit(low, high, self.bins)
+        edges = bin_edges(jnp.arange(self.bins + 1), low, high, self.bins, spacing)
 
         # The values outside the bins go to three more slots (below, above, NaN), so
         # that one bincount counts everything: no pass over the values per slot.
-        def slots(bin_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
-            def slot(x):
+        def counted(bin_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            def count(x):
                 inside = jnp.where(x < low, self.bins, jnp.where(x > high, self.bins + 1, bin_of(x)))
-                return jnp.ravel(jnp.where(jnp.isnan(x), self.bins + 2, inside))
+                return _counter(self.bins + 3)(jnp.ravel(jnp.where(jnp.isnan(x), self.bins + 2, inside)))
 
-            return slot
+            return count
 
         # A scalar test picks the search only where the estimate could miss, so it
         # costs nothing otherwise: the cond ~1-10 µs per 64x512 layer on CPU, where
-        # computing both and selecting costs ~20 µs more when the cores are busy.
-        slot = _real_cond(
+        # computing both and selecting costs ~20 µs more when the cores are busy. Each
+        # branch counts its slots itself: XLA:CPU then computes them inside the
+        # scatter's own loop instead of writing them out.
+        counts = _real_cond(
             _estimates_exact(edges, low, high, self.bins),
-            slots(lambda x: _estimated_bins(x, low, high, self.bins)),
-            slots(lambda x: _searched_bins(x, edges, self.bins)),
+            counted(lambda x: _estimated_bins(x, low, high, self.bins, spacing, per_unit)),
+            counted(lambda x: _searched_bins(x, edges, self.bins)),
             x,
         )
-        counts = _counter(self.bins + 3)(slot)
         below, above, nan = (counts[..., self.bins + i] for i in range(3))
-        return Histogram(counts[..., : self.bins], edges, below, above, nan, self.pool, kept)
+        return Histogram(counts[..., : self.bins], low, high, below, above, nan, self.pool, kept, x.dtype)
 
     def _axis_names(self) -> tuple[Hashable, ...]:
         if self.axis_name is None:

@@ -16,7 +16,7 @@ from ..._engine import is_pooled, pool_log
 from .._packing import PackedLog, num_leading_axes
 from ._histogram import Histogram, _refuse_kept, _unshared
 from ._pooled import (
-    _EDGES,
+    _RANGE,
     _MAX,
     _MEAN,
     _NORM,
@@ -43,7 +43,7 @@ def pool_stats(log: Mapping[str, Any], num_axes: int = 1) -> Mapping[str, Any]:
     every vmap's elements share one range (see `px.HistogramLog`). The steps of a scan
     do not: this raises, while tracing, rather than pool the steps of the model's own
     scans (a scanned stack of layers). The axes of a scan around the model cannot be
-    told from a vmap's while tracing, so the pooled histograms' edges are compared:
+    told from a vmap's while tracing, so the pooled histograms' ranges are compared:
     where they differ this raises when run eagerly, and inside jit (where raising
     would take a host callback in every call) the histogram comes back with NaN edges
     and counts of -1, never counts of different bins added up. Give an explicit
@@ -98,7 +98,7 @@ def _refuse_unshared(pooled: Mapping[str, Any]) -> None:
         for value in jtu.tree_leaves(pooled[path], is_leaf=is_pooled):
             histograms = value.statistics.values() if isinstance(value, Stats) else [value]
             for histogram in jtu.tree_leaves(list(histograms), is_leaf=is_pooled):
-                if isinstance(histogram, Histogram) and np.any(np.isnan(histogram.edges)):
+                if isinstance(histogram, Histogram) and np.any(np.isnan(histogram.low)):
                     raise ValueError(_UNSHARED.format(where=path))
 
 
@@ -189,12 +189,12 @@ def _pooled_packed(log: PackedLog, num_axes: int, plan: _Plan) -> PackedLog:
             _refuse_kept(key, kept, len(lead) + inside - pooled)
     groups = math.prod(lead[:num_axes])
     buffers = [buffer.reshape(groups, *buffer.shape[num_axes:]) for buffer in log.buffers]
-    # The histograms whose groups' edges differ (`_unshared`).
+    # The histograms whose groups' ranges differ (`_unshared`).
     differ = None
     for x, kinds, members in zip(buffers, plan.kinds, plan.members):
-        if np.any(kinds == _EDGES):
-            edges_differ = jnp.any(x != x[0], axis=0) & (kinds == _EDGES)
-            hits = edges_differ.astype(jnp.float32) @ members > 0
+        if np.any(kinds == _RANGE):
+            range_differs = jnp.any(x != x[0], axis=0) & (kinds == _RANGE)
+            hits = range_differs.astype(jnp.float32) @ members > 0
             differ = hits if differ is None else differ | hits
     pooled = []
     for x, kinds, moments, counts, members in zip(buffers, plan.kinds, plan.moments, plan.counts, plan.members):
@@ -208,7 +208,7 @@ def _pooled_packed(log: PackedLog, num_axes: int, plan: _Plan) -> PackedLog:
 def _pooled_columns(x: Any, kinds: np.ndarray, moments: np.ndarray, counts: np.ndarray) -> Any:
     """Each value of `x` (groups along the leading axis) pooled as its kind says; as
     the statistics' own `pool`."""
-    out = x[0]  # a histogram's edges: the groups share them
+    out = x[0]  # a histogram's range: the groups share it
     present = set(np.unique(kinds).tolist())
     if _MEAN in present:
         out = jnp.where(kinds == _MEAN, _mean_of_groups(x), out)

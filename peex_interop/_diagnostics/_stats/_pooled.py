@@ -22,9 +22,9 @@ from ..._engine import AbstractPooled
 
 # How each field of a statistic pools over a leading axis: the mean of the groups'; the
 # sums of a spread (`_Spread`: differences from a shift, and their squares, and the
-# shift), pooled together; the maximum, the norm, the sum, and a histogram's edges (the
+# shift), pooled together; the maximum, the norm, the sum, and a histogram's range (the
 # first group's, which all must share).
-_MEAN, _TOTAL, _SQUARES, _SHIFT, _MAX, _NORM, _SUM, _EDGES = range(8)
+_MEAN, _TOTAL, _SQUARES, _SHIFT, _MAX, _NORM, _SUM, _RANGE = range(8)
 
 
 class _Statistic(AbstractPooled):
