@@ -6,8 +6,9 @@ Method:
   Linear layers of width 512 with relu on a batch of 64, and 6 pre-LN transformer
   blocks with the library's built-in attention (d 128, 4 heads, MLP 4d with gelu) on
   8 sequences of 64 (`FULL_SIZES`; `--quick` shrinks them, `QUICK_SIZES`); plus a tiny
-  model (one Linear 4 -> 4) where dispatch dominates; and the Equinox MLP at width
-  256 (`NARROW`) for the statistics' training step. Parameters are NumPy draws
+  model (one Linear 4 -> 4) where dispatch dominates; and an Equinox MLP at widths 64,
+  256 and 1024 for the statistics' training step as a new user writes it
+  (`stats_widths.py`, timed in rounds until its ratios settle). Parameters are NumPy draws
   (`tests/models.py: random_like`), so that outputs can be compared; nothing is
   initialised eagerly.
 - Every variant is a zero-argument call of a jitted function. Variants of one group
@@ -32,7 +33,8 @@ Method:
 
 This file runs them all and writes the page; each family of rows has a module of its
 own: `hooks_overhead.py` (log-everything, dispatch), `training_stats.py` (statistics),
-`first_calls.py` (compile), `port_lm1b.py` and `port_same_class.py` (port), on the
+`stats_widths.py` (statistics at three widths), `first_calls.py` (compile),
+`port_lm1b.py` and `port_same_class.py` (port), on the
 models of `libraries.py`, measured by `harness.py`, laid out by `page.py`, summed up
 by `findings.py`.
 
@@ -68,14 +70,20 @@ from libraries import DEPTH, FULL_SIZES, LIBRARIES, QUICK_SIZES, use_sizes
 from page import diff_table, jaxpr_table, table
 from port_lm1b import PORT_FULL, PORT_QUICK, PORT_TEXT, port_rows
 from port_same_class import OWN_FULL, OWN_QUICK, own_lm_text, same_class_port_rows
+from stats_widths import (
+    FULL_ROUNDS,
+    FULL_WIDTHS,
+    QUICK_ROUNDS,
+    QUICK_WIDTHS,
+    stats_widths_text,
+    width_groups,
+    width_rows,
+)
 from training_stats import (
     EVERY_TEN_TEXT,
-    NARROW,
     memory_rows,
     memory_table,
     memory_table_rows,
-    narrow_rows,
-    narrow_train_variants,
     train_rows,
     train_variants,
 )
@@ -113,8 +121,7 @@ def header(budget, wall, quick):
         f"after each, batch {S.mlp_batch}; transformer = {S.blocks} pre-LN blocks (LayerNorm, "
         f"the library's attention with {S.heads} heads on d {S.dim}, LayerNorm, Linear "
         f"{S.dim} -> {4 * S.dim}, gelu, Linear {4 * S.dim} -> {S.dim}, residuals) on {S.batch} "
-        f"sequences of {S.seq}; tiny = one Linear 4 -> 4 on one example; Equinox MLP "
-        f"{min(NARROW, S.width)} = the MLP at width {min(NARROW, S.width)} (statistics rows only). Attention: "
+        f"sequences of {S.seq}; tiny = one Linear 4 -> 4 on one example. Attention: "
         "`eqx.nn.MultiheadAttention`, `hk.MultiHeadAttention`, `nnx.MultiHeadAttention`, "
         "`nn.MultiHeadDotProductAttention`. Equinox models are per-example, run under "
         "`jax.vmap` inside the jitted function; their layers are depth-1 attributes "
@@ -146,11 +153,11 @@ def header(budget, wall, quick):
         "near-zero, 40-bin histogram; per-example Equinox models under "
         "`jax.vmap(axis_name='batch')` with the histogram's `axis_name='batch'`, pooled "
         "by `px.pool_stats`), or the same statistics without the histogram, against the "
-        f"step on the unhooked model; also on the Equinox MLP of width {min(NARROW, S.width)} "
-        "(its smaller step shows the statistics' per-layer fixed cost); every 10 = " + EVERY_TEN_TEXT + ", against ten "
+        "step on the unhooked model; every 10 = " + EVERY_TEN_TEXT + ", against ten "
         "plain steps. Memory = "
         "bytes of the statistics one transformer forward returns, from `jax.eval_shape`.\n\n"
-        "Compile: first call (lower, XLA compile, run of `eqx.filter_jit` of the model "
+        + stats_widths_text(QUICK_ROUNDS if quick else FULL_ROUNDS)
+        + "Compile: first call (lower, XLA compile, run of `eqx.filter_jit` of the model "
         "under `jax.vmap`) of `tests/models.py: Transformer(vocab=100, dim="
         f"{S.dim}, heads={S.heads}, num_blocks=L)` (blocks built by `eqx.filter_vmap`, run by "
         f"`lax.scan`) on {S.batch} x {S.seq} tokens, in fresh processes (imports, construction "
@@ -209,17 +216,18 @@ def run(budget):
             diffs[f"{library} MLP", variant] = max_abs_diff(ten_outputs[variant], ten_outputs["10 plain steps"])
         medians |= ten_medians
         steady[library, "train"] = medians
-    steps, narrow = narrow_train_variants()
-    print(f"[{time.perf_counter() - start:4.0f} s] {narrow} training steps", file=sys.stderr)
-    medians, outputs, reps[narrow, "train"] = interleaved(steps, budget.train, budget.min_reps, budget.max_reps)
-    for variant in ("train stats", "train stats no hist"):
-        diffs[narrow, variant] = max_abs_diff(outputs[variant], outputs["train plain"])
-    steady[narrow, "train"] = medians
+    print(f"[{time.perf_counter() - start:4.0f} s] statistics at three widths", file=sys.stderr)
+    quick = budget is QUICK
+    widths, outputs = width_groups(QUICK_WIDTHS if quick else FULL_WIDTHS, QUICK_ROUNDS if quick else FULL_ROUNDS)
+    for width, by_variant in outputs.items():
+        for variant, output in by_variant.items():
+            if variant != "plain":
+                diffs[f"Equinox MLP {width} (SGD)", variant] = max_abs_diff(output, by_variant["plain"])
     print(f"[{time.perf_counter() - start:4.0f} s] first calls, memory", file=sys.stderr)
     sizes |= scanned_sizes()
     first = first_calls(budget.first_call_reps, parallel=budget is QUICK)
     memory, unpooled = memory_rows()
-    return steady, diffs, sizes, flatten, first, memory, unpooled, reps
+    return steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths
 
 
 def port_section(quick, start, which=PORT_GROUPS):
@@ -266,15 +274,14 @@ def main():
         return
     budget = QUICK if args.quick else FULL
     use_sizes(QUICK_SIZES if args.quick else FULL_SIZES)
-    steady, diffs, sizes, flatten, first, memory, unpooled, reps = run(budget)
+    steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths = run(budget)
     rows = []
     for library in LIBRARIES:
         for name in ("MLP", "transformer", "tiny"):
             rows += forward_rows(library, name, steady, flatten, sizes)
     for library in LIBRARIES:
         rows += train_rows(library, steady[library, "train"], sizes)
-    rows += [row for (model, group), medians in steady.items() if model.startswith("Equinox MLP ")
-             for row in narrow_rows(model, medians)]
+    rows += [row for width, measured in widths.items() for row in width_rows(width, measured)]
     rows += memory_table_rows(memory) + compile_rows(first, sizes)
     rows += port_section(args.quick, start)
     order = ("log-everything", "dispatch", "statistics", "compile", "port")
@@ -293,7 +300,7 @@ def main():
         "## Jaxprs\n\n`jax.make_jaxpr` of each jitted function (nested jit bodies inlined, "
         "control-flow bodies counted once; `eqx.filter_jit` adds one output, a marker).",
         jaxpr_table(sizes),
-        findings(rows, steady, sizes, flatten, first, memory, unpooled),
+        findings(rows, steady, sizes, flatten, first, memory, unpooled, widths),
     ])
     print(text)
     if args.out:

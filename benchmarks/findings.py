@@ -36,9 +36,22 @@ def dispatch_findings(steady, flatten):
             "node, a Python function, where the raw call's arguments flatten in C++.")
 
 
-def findings(rows, steady, sizes, flatten, first, memory, unpooled):
+def widths_finding(widths):
+    """How the statistics' share of the step changes with the layers' width."""
+    parts = []
+    for width, measured in widths.items():
+        ratios = ", ".join(
+            f"{idiom} {measured[f'{idiom}, stats no hist'].median:.3f} / {measured[f'{idiom}, stats'].median:.3f}"
+            for idiom in ("your vmap", "the model's own vmap")
+        )
+        parts.append(f"width {width} (plain step {fmt(measured['plain (A/A)'].plain_seconds)}): {ratios}")
+    return ("- **Statistics by width** (the step with mean/std/near-zero / with the histogram, over the "
+            "plain step): " + "; ".join(parts) + ".")
+
+
+def findings(rows, steady, sizes, flatten, first, memory, unpooled, widths):
     """The findings: every number comes from this run (medians, jaxprs, flatten times,
-    first-call parts, memory)."""
+    first-call parts, memory, the statistics at three widths)."""
     missed = [r for r in rows if r.status not in ("ok", "report")]
     checked = [r for r in rows if r.target is not None]
     lines = ["## Findings", "", "Computed by `benchmarks/bench.py` from this run.", "",
@@ -74,6 +87,7 @@ def findings(rows, steady, sizes, flatten, first, memory, unpooled):
             f"({stats[2] - no_hist[2]:+} equations)"
         )
     lines.append("- **Statistics in the training step** (share of the plain step): " + "; ".join(parts) + ".")
+    lines.append(widths_finding(widths))
 
     fixed = [lib for lib, sizes_ in memory.items() if len(set(sizes_)) == 1]
     growing = [lib for lib, sizes_ in memory.items() if len(set(sizes_)) > 1]

@@ -1,10 +1,10 @@
 """The statistics rows: a training step with `px.activation_stats()` on every layer
-(with and without its histogram) against the plain step, in each library and on a
-narrower Equinox MLP; ten steps with statistics on every 10th (`px.Recorder`) against
-ten plain ones; and the bytes of the statistics a transformer forward returns."""
+(with and without its histogram) against the plain step, in each library; ten steps
+with statistics on every 10th (`px.Recorder`) against ten plain ones; and the bytes of
+the statistics a transformer forward returns. (At three widths, as a new user writes
+it: `stats_widths.py`.)"""
 
 import contextlib
-import dataclasses
 import math
 from functools import partial
 
@@ -16,7 +16,7 @@ import optax
 import libraries
 import peex_interop as px
 from harness import Variant
-from libraries import BUILDERS, DEPTH, LIBRARIES, forward, input_shape, inputs, use_sizes
+from libraries import BUILDERS, DEPTH, LIBRARIES, forward, input_shape, inputs
 from page import Row, ratio_row
 
 
@@ -100,23 +100,6 @@ def train_variants(library):
 
 def train_output(result):
     return eqx.filter(result[0], eqx.is_inexact_array)
-
-
-# The issue's smaller MLP (12 x Linear(256), batch 64): a per-layer fixed cost of the
-# statistics, hidden by the 512-wide model's larger step, shows on it.
-NARROW = 256
-
-
-def narrow_train_variants():
-    """The Equinox training steps of `train_variants` (plain, statistics with and
-    without histogram) on the MLP of width `NARROW` (`--quick`: its own width, if
-    smaller)."""
-    wide = libraries.S
-    use_sizes(dataclasses.replace(wide, width=min(NARROW, wide.width)))
-    try:
-        return train_variants("Equinox")[0], f"Equinox MLP {libraries.S.width}"
-    finally:
-        use_sizes(wide)
 
 
 # How `every=10` is run: one compiled step deciding under `lax.cond`, or on the host.
@@ -218,22 +201,6 @@ def train_rows(library, medians, sizes):
                   f"(9 x {host_off:.3f} + {host_due:.3f}) / 10 = {(9 * host_off + host_due) / 10:.3f}"),
     ]
     return [r for r in rows if r is not None]
-
-
-def narrow_rows(model, medians):
-    """The two statistics rows of the narrow MLP's training step."""
-    histogram = medians["train stats"] - medians["train stats no hist"]
-    values = libraries.S.mlp_batch * min(NARROW, libraries.S.width)
-    return [
-        ratio_row("statistics", "train step, activation_stats without histogram / plain",
-                  model, medians, "train stats no hist", "train plain", 1.05,
-                  f"a step of {medians['train plain'] * 1e3:.2f} ms: per layer, mean, std and near-zero "
-                  f"cost {(medians['train stats no hist'] - medians['train plain']) / DEPTH * 1e6:.0f} µs"),
-        ratio_row("statistics", "train step, activation_stats with histogram / plain",
-                  model, medians, "train stats", "train plain", 1.25,
-                  f"the histograms add {histogram / medians['train plain']:.1%} of the plain step: "
-                  f"{histogram / DEPTH * 1e6:.0f} µs per layer of {values:,} values"),
-    ]
 
 
 def memory_table_rows(memory):

@@ -33,6 +33,14 @@ def test_quick_bench_writes_the_page(tmp_path):
         assert r[7] in ("ok", "report") or re.fullmatch(r"over by [\d.]+(%| µs)", r[7]), r
     for library in LIBRARIES:
         assert any(r[1].startswith("A/A") and r[2] == f"{library} MLP" for r in rows), library
+    # The statistics at each width: both ways of batching, each row with its spread.
+    for width in (16, 32):
+        model = f"Equinox MLP {width} (12 x Linear, batch 8, SGD)"
+        labels = {r[1] for r in rows if r[2] == model}
+        for idiom in ("your vmap", "the model's own vmap"):
+            for statistic in ("mean/std/near-zero", "activation_stats() with histogram"):
+                assert f"train step, {idiom}, {statistic} / plain" in labels, (model, idiom, statistic)
+        assert all(re.match(r"rounds: min [\d.]+, max [\d.]+ over \d+", r[8]) for r in rows if r[2] == model)
     # The tiny models' jax.jit dispatch is explained by its floor, measured in the run.
     for library in LIBRARIES[1:]:
         label = "unhooked converted, jax.jit / raw jitted call"

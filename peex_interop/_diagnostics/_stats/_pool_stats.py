@@ -16,10 +16,10 @@ from ..._engine import is_pooled, pool_log
 from .._packing import PackedLog, num_leading_axes
 from ._histogram import Histogram, _refuse_kept, _unshared
 from ._pooled import (
-    _RANGE,
     _MAX,
     _MEAN,
     _NORM,
+    _RANGE,
     _SHIFT,
     _SQUARES,
     _SUM,
