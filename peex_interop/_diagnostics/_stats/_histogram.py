@@ -98,9 +98,10 @@ class Histogram(AbstractPooled):
     dtype: Any = eqx.field(static=True, default=None)
 
     @property
-    def edges(self) -> Float[Array, "*batch bins+1"]:
+    def edges(self) -> Float[Array, "*batch bins+1"] | np.ndarray | jax.ShapeDtypeStruct:
         """The `bins + 1` edges the values were counted against (NaN where
-        `px.pool_stats` found bins that differ)."""
+        `px.pool_stats` found bins that differ): numpy's for a histogram fetched to the
+        host, a shape for one from `jax.eval_shape`."""
         bins = self.counts.shape[-1]
         if isinstance(self.low, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((*self.low.shape, bins + 1), self.low.dtype)
