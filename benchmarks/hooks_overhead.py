@@ -37,7 +37,24 @@ def forward_variants(library, name):
         partial(jits.get(" jax.jit", jits[""]), px.ForwardHook(converted, log_fn=px.IdentityLog()), x),
         hooked_output,
     )
+    if library == "Equinox" and name != "tiny":
+        # peex 0.0.3 hooks the model's attributes only (`where="*"`: one segment):
+        # the same sites, the same values returned.
+        peex_sites = px.ForwardHook(converted, log_fn=px.IdentityLog(), where="*")
+        calls["log, peex's sites"] = Variant(partial(jits[""], peex_sites, x), hooked_output)
+        _check_same_logs(calls["log, peex's sites"], calls["native log"])
     return calls
+
+
+def _check_same_logs(ours, theirs):
+    """Raise unless two log-hooked calls return the same log: keys and values."""
+    (_, mine), (_, native) = ours.call(), theirs.call()
+    if set(mine) != set(native):
+        raise AssertionError(f"not like for like: px logs {sorted(mine)}, peex {sorted(native)}")
+    for key in mine:
+        for a, b in zip(jax.tree.leaves(mine[key]), jax.tree.leaves(native[key]), strict=True):
+            if a.shape != b.shape or not bool((a == b).all()):
+                raise AssertionError(f"not like for like: {key!r} differs")
 
 
 def flatten_text(flatten):
@@ -82,8 +99,15 @@ def forward_rows(library, name, steady, flatten, sizes):
             ours, theirs = sizes[model, "log"], sizes[model, "native log"]
             why = (f"jaxprs: ours {ours[2]} equations returning {ours[3]:,} values, the native log "
                    f"{theirs[2]} returning {theirs[3]:,}; " + why)
+        if not like_for_like:
+            why = "px logs every layer at every depth, peex the model's attributes only; " + why
         rows.append(ratio_row("log-everything", f"px IdentityLog / {native}", model, medians,
                               "log", "native log", 1.05 if like_for_like else None, why))
+        if library == "Equinox":
+            rows.append(ratio_row(
+                "log-everything", "px IdentityLog on peex's sites (where='*') / peex 0.0.3 IdentityLog", model,
+                medians, "log, peex's sites", "native log", 1.05,
+                "like for like: the same sites, the same values returned (checked before timing); " + why))
     # Equinox's "unhooked" is its raw call again.
     rows.append(ratio_row("dispatch", "A/A: the raw call timed twice (noise floor)", model, medians,
                           "unhooked" if library == "Equinox" else "raw (A/A)", "raw", None))
