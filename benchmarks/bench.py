@@ -63,7 +63,7 @@ import peex
 import libraries
 import peex_interop as px
 from findings import findings
-from first_calls import compile_rows, first_call_table, first_calls, scanned_sizes
+from first_calls import compile_rows, first_call_table, first_calls, same_programs, scanned_sizes
 from harness import FULL, PORT_ROUNDS, QUICK, flatten_micros, interleaved, jaxpr_size, max_abs_diff
 from hooks_overhead import forward_rows, forward_variants
 from libraries import DEPTH, FULL_SIZES, LIBRARIES, QUICK_SIZES, use_sizes
@@ -225,9 +225,10 @@ def run(budget):
                 diffs[f"Equinox MLP {width} (SGD)", variant] = max_abs_diff(output, by_variant["plain"])
     print(f"[{time.perf_counter() - start:4.0f} s] first calls, memory", file=sys.stderr)
     sizes |= scanned_sizes()
+    same = same_programs()
     first = first_calls(budget.first_call_reps, parallel=budget is QUICK)
     memory, unpooled = memory_rows()
-    return steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths
+    return steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths, same
 
 
 def port_section(quick, start, which=PORT_GROUPS):
@@ -274,7 +275,7 @@ def main():
         return
     budget = QUICK if args.quick else FULL
     use_sizes(QUICK_SIZES if args.quick else FULL_SIZES)
-    steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths = run(budget)
+    steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths, same = run(budget)
     rows = []
     for library in LIBRARIES:
         for name in ("MLP", "transformer", "tiny"):
@@ -282,7 +283,7 @@ def main():
     for library in LIBRARIES:
         rows += train_rows(library, steady[library, "train"], sizes)
     rows += [row for width, measured in widths.items() for row in width_rows(width, measured)]
-    rows += memory_table_rows(memory) + compile_rows(first, sizes)
+    rows += memory_table_rows(memory) + compile_rows(first, sizes, same)
     rows += port_section(args.quick, start)
     order = ("log-everything", "dispatch", "statistics", "compile", "port")
     rows.sort(key=lambda r: order.index(r.section))

@@ -70,9 +70,10 @@ class Budget:
     max_reps: int = 5000
 
 
-# About 5.5 minutes on 2 CPU cores: 3 fresh processes per first-call variant (~90 s),
+# About 7 minutes on 2 CPU cores: 5 fresh processes per first-call variant (~150 s; 3 gave
+# depth growths that moved by 20% between runs),
 # traces and compilations (~60 s), and these timing budgets (~170 s).
-FULL = Budget(forward=10.0, tiny=3.0, train=15.0, first_call_reps=3)
+FULL = Budget(forward=10.0, tiny=3.0, train=15.0, first_call_reps=5)
 QUICK = Budget(forward=0.1, tiny=0.1, train=0.1, first_call_reps=1, min_reps=2)
 
 
