@@ -101,3 +101,18 @@ def test_a_log_holding_entries_of_other_logs_stays_a_dict(haiku_mlp):
     assert len(log) == 4 and all(isinstance(stats, px.Stats) for stats in log.values())
     _, log = px.ForwardHook(model, log_fn=px.activation_stats(), pre_log_fn=px.IdentityLog())(x)
     assert type(log) is dict and sum(key.endswith(":in") for key in log) == 4
+
+
+def test_a_histogram_logs_its_range_not_its_edges(haiku_mlp):
+    """The floats a step packs per layer do not grow with the bins (the edges are
+    computed where read); the counts do, one per bin. Read back, the edges are
+    numpy's for the values and bins."""
+    model, x = haiku_mlp
+    narrow, wide = (call(px.ForwardHook(model, log_fn=px.activation_stats(bins=bins)), x)[1] for bins in (40, 400))
+    (floats, counts), (wide_floats, wide_counts) = (
+        sorted((leaf.dtype.name, leaf.size) for leaf in jax.tree.leaves(log)) for log in (narrow, wide)
+    )
+    assert floats == wide_floats and wide_counts[1] - counts[1] == 360 * len(narrow)
+    _, raw = call(px.ForwardHook(model, log_fn=px.IdentityLog()), x)
+    for key, values in raw.items():
+        np.testing.assert_array_equal(wide[key]["hist"].edges, np.histogram(np.asarray(values), 400)[1])
