@@ -119,13 +119,13 @@ class PackedLog(eqx.Module, Mapping):
     keys_: tuple[str, ...] = eqx.field(static=True)
     packing: Packing = eqx.field(static=True)
 
-    def __init__(self, log: Mapping[str, Any]):
+    def __init__(self, log: Mapping[str, Any], *, _own_shapes=None):
         """**Arguments:**
 
         - `log`: `{key: value}`, values pytrees of arrays.
         """
         self.keys_ = tuple(log)
-        self.packing, self.buffers = Packing.pack(tuple(log.values()))
+        self.packing, self.buffers = Packing.pack(tuple(log.values()), _own_shapes)
 
     def with_keys(self, keys: tuple[str, ...]) -> "PackedLog":
         """The same entries under new keys (in order), around the same buffers."""

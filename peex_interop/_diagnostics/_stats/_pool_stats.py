@@ -124,6 +124,20 @@ def _pooled(num_axes: int, log: Mapping[str, Any]) -> Mapping[str, Any]:
     return _pooled_packed(log, num_axes, plan)
 
 
+def pooled_over_a_vmap(where: str, stats: Stats) -> Stats | None:
+    """`stats`, logged inside a vmap of the model's own, pooled over its axis as the vmap
+    returns, in one pass over its buffers (`_pooled_packed`): statistic by statistic,
+    unpacked and packed again, a layer's pooling is a dozen small XLA kernels. None
+    where the one pass does not apply: a histogram along a scan's steps (whose `kept`
+    the pooling changes), a statistic that says nothing of how it pools."""
+    # Packed along the vmap's axis, which the buffers lead with.
+    log = PackedLog({where: stats}, _own_shapes=(tuple(np.shape(b)[1:] for b in stats.buffers),))
+    plan = _packed_plan(jtu.tree_structure(log), tuple(b.shape[-1] for b in log.buffers)) if log.buffers else None
+    if plan is None or any(kept for _, kept, _ in plan.histograms):
+        return None
+    return _pooled_packed(log, 1, plan)[where]
+
+
 # -- pooling a packed log in one pass ---------------------------------------------------
 class _Plan(eqx.Module):
     """How every value of a packed log's buffers pools (`_Statistic.columns`): per

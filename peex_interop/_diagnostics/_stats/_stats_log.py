@@ -71,6 +71,13 @@ class Stats(AbstractPooled, Mapping):
         return len(self.names)
 
     def pool(self, where: str, *, mapped: bool = False) -> "Stats":
+        if mapped:
+            # Imported here: `px.pool_stats` pools `Stats`, whose module this is.
+            from ._pool_stats import pooled_over_a_vmap
+
+            pooled = pooled_over_a_vmap(where, self)
+            if pooled is not None:
+                return pooled
         # Pooling keeps every array's own shape (and may change a histogram's static
         # fields): the pooled statistics are packed along the same shapes. All of them
         # pool with the `Stats`, whatever their own `pool_mapped`.
