@@ -7,12 +7,14 @@ from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array
 
 from ..._engine import AbstractPooled, CallSite, is_pooled
 from ..._hooks import AbstractLog, MeanLog, plain_containers
 from .._packing import PackedLog, Packing, num_leading_axes
 from ._histogram_log import HistogramLog
+from ._packed_pooling import packed_plan, pooled_packed
 from ._statistic_logs import NearZeroLog, StdLog, _AbstractStatisticLog, _kept_axes, _terms_of
 from ._sums import _Sums
 from ._when_due import _when_due
@@ -72,10 +74,7 @@ class Stats(AbstractPooled, Mapping):
 
     def pool(self, where: str, *, mapped: bool = False) -> "Stats":
         if mapped:
-            # Imported here: `px.pool_stats` pools `Stats`, whose module this is.
-            from ._pool_stats import pooled_over_a_vmap
-
-            pooled = pooled_over_a_vmap(where, self)
+            pooled = _pooled_over_a_vmap(where, self)
             if pooled is not None:
                 return pooled
         # Pooling keeps every array's own shape (and may change a histogram's static
@@ -86,6 +85,26 @@ class Stats(AbstractPooled, Mapping):
             for name, value in self.statistics.items()
         }
         return Stats(pooled, self.pool_mapped, _own_shapes=self.packing.own_shapes())
+
+
+def statistics_of(value: Any) -> list[Any]:
+    """The statistics a logged value holds (`packed_plan`'s `parts`): a `Stats`'s, or
+    the value itself."""
+    return list(value.statistics.values()) if isinstance(value, Stats) else [value]
+
+
+def _pooled_over_a_vmap(where: str, stats: Stats) -> Stats | None:
+    """`stats`, logged inside a vmap of the model's own, pooled over its axis as the vmap
+    returns, in one pass over its buffers (`pooled_packed`): statistic by statistic,
+    unpacked and packed again, a layer's pooling is a dozen small XLA kernels. None
+    where the one pass does not apply: a histogram along a scan's steps (whose `kept`
+    the pooling changes), a statistic that says nothing of how it pools."""
+    # Packed along the vmap's axis, which the buffers lead with.
+    log = PackedLog({where: stats}, _own_shapes=(tuple(np.shape(b)[1:] for b in stats.buffers),))
+    plan = packed_plan(jtu.tree_structure(log), tuple(b.shape[-1] for b in log.buffers), statistics_of)
+    if plan is None or any(kept for _, kept, _ in plan.histograms):
+        return None
+    return pooled_packed(log, 1, plan)[where]
 
 
 def _pooling_form(log: AbstractLog, kept: int = 0) -> Callable[[Any, _Sums], Any]:
