@@ -175,9 +175,9 @@ def _unshared(differ: Any, *fields: Any) -> tuple[Any, ...]:
     histograms logged in the steps of a `jax.lax.scan` (or `lax.map`) around the model
     each bin over their own range, and the axis of a scan around the model cannot be
     told from a vmap's while tracing. The range (so the edges) becomes NaN and the
-    counts -1, never
-    counts of different bins added up; `px.pool_stats` raises on them where it runs
-    eagerly (`_refuse_unshared`), not through a host callback in every compiled step."""
+    counts -1, never counts of different bins added up; `px.pool_stats` raises on them
+    where it runs eagerly (`_refuse_unshared`), not through a host callback in every
+    compiled step."""
     return tuple(
         jnp.where(differ, jnp.asarray(np.nan if jnp.issubdtype(f.dtype, jnp.floating) else -1, f.dtype), f)
         for f in fields

@@ -82,8 +82,7 @@ def _refuse_unshared(pooled: Mapping[str, Any]) -> None:
         return
     for path in pooled:
         for value in jtu.tree_leaves(pooled[path], is_leaf=is_pooled):
-            histograms = value.statistics.values() if isinstance(value, Stats) else [value]
-            for histogram in jtu.tree_leaves(list(histograms), is_leaf=is_pooled):
+            for histogram in jtu.tree_leaves(statistics_of(value), is_leaf=is_pooled):
                 if isinstance(histogram, Histogram) and np.any(np.isnan(histogram.low)):
                     raise ValueError(_UNSHARED.format(where=path))
 

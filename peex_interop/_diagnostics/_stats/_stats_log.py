@@ -99,6 +99,8 @@ def _pooled_over_a_vmap(where: str, stats: Stats) -> Stats | None:
     unpacked and packed again, a layer's pooling is a dozen small XLA kernels. None
     where the one pass does not apply: a histogram along a scan's steps (whose `kept`
     the pooling changes), a statistic that says nothing of how it pools."""
+    if not stats.buffers:
+        return None
     # Packed along the vmap's axis, which the buffers lead with.
     log = PackedLog({where: stats}, _own_shapes=(tuple(np.shape(b)[1:] for b in stats.buffers),))
     plan = packed_plan(jtu.tree_structure(log), tuple(b.shape[-1] for b in log.buffers), statistics_of)
