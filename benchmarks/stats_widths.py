@@ -239,7 +239,9 @@ STATS_WIDTHS_TEXT = (
     "each round's median over the plain step's; rounds go on (at least {least}, at most {most}) "
     "until every ratio's median moves less than {settled:.1%} over the last {window} rounds. The why "
     "column gives the smallest and largest round and the rounds it took. Goals, for your vmap at "
-    "width {goal}: {goal_hist:.2f} with the histogram, {goal_plain:.2f} without.\n\n"
+    "width {goal}: {goal_hist:.2f} with the histogram, {goal_plain:.2f} without. No CPU setting is "
+    "applied: one core (`taskset -c 1`) narrowed the rounds' spread but changed what is measured (the "
+    "statistics could no longer run beside the matmuls), and `NPROC=1` was no steadier.\n\n"
 )
 
 
