@@ -47,15 +47,22 @@ def interleaved(variants, budget, min_reps, max_reps):
         jax.block_until_ready(v.call())
     per_rep = time.perf_counter() - start
     reps = int(min(max_reps, max(min_reps, budget / max(per_rep, 1e-9))))
-    names, rng = list(variants), random.Random(0)
-    samples = {k: [] for k in names}
-    for _ in range(reps):
-        rng.shuffle(names)
-        for k in names:
-            begin = time.perf_counter()
-            jax.block_until_ready(variants[k].call())
-            samples[k].append(time.perf_counter() - begin)
+    calls = {k: v.call for k, v in variants.items()}
+    samples = round_robin(calls, list(variants), random.Random(0), reps)
     return {k: statistics.median(v) for k, v in samples.items()}, outputs, reps
+
+
+def round_robin(calls, names, rng, repetitions):
+    """`{name: seconds of each call}`: `repetitions` times, one call of each of `calls`,
+    in an order `rng` shuffles `names` into (the list, kept shuffled for the next)."""
+    samples = {name: [] for name in names}
+    for _ in range(repetitions):
+        rng.shuffle(names)
+        for name in names:
+            begin = time.perf_counter()
+            jax.block_until_ready(calls[name]())
+            samples[name].append(time.perf_counter() - begin)
+    return samples
 
 
 @dataclasses.dataclass

@@ -25,9 +25,10 @@ import optax
 
 import libraries
 import peex_interop as px
-from harness import Variant
-from libraries import DEPTH, inputs
+from harness import Variant, round_robin
+from libraries import EqxMLP, inputs, random_like, use_sizes
 from page import Row, fmt
+from training_stats import stats_log
 
 FULL_WIDTHS = (64, 256, 1024)
 QUICK_WIDTHS = (16, 32)
@@ -68,35 +69,27 @@ class Ratio:
     settled_after: int | None
 
 
-class PerExample(eqx.Module):
-    """The MLP on one example."""
-
-    layers: list
-
-    def __init__(self, width, key):
-        self.layers = [eqx.nn.Linear(width, width, key=k) for k in jax.random.split(key, DEPTH)]
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = jax.nn.relu(layer(x))
-        return x
+def per_example_mlp(width):
+    """The bench's Equinox MLP (`libraries.EqxMLP`, NumPy-drawn weights) at `width`, on
+    one example."""
+    sizes = libraries.S
+    use_sizes(dataclasses.replace(sizes, width=width))
+    try:
+        return random_like(eqx.filter_eval_shape(lambda: EqxMLP(key=jax.random.key(0))))
+    finally:
+        use_sizes(sizes)
 
 
 class Batched(eqx.Module):
     """The same MLP batching itself: its own `jax.vmap`, inside the hooked model."""
 
-    model: PerExample
+    model: EqxMLP
 
     def __call__(self, x):
         return jax.vmap(self.model)(x)
 
 
-def no_histogram():
-    """`px.activation_stats()` without its histogram: mean, std and near-zero."""
-    return px.StatsLog({k: log for k, log in px.activation_stats().logs.items() if k != "hist"})
-
-
-STATISTICS = {"stats": px.activation_stats, "stats no hist": no_histogram}
+STATISTICS = {"stats": partial(stats_log, True), "stats no hist": partial(stats_log, False)}
 IDIOMS = {
     "your vmap": "`jax.vmap(px.ForwardHook(model, log_fn=...))(x)`, then `px.pool_stats(log)`",
     "the model's own vmap": "`px.ForwardHook(model, log_fn=...)(x)`, the model calling `jax.vmap` itself "
@@ -120,7 +113,7 @@ def step_of(model, loss, optimizer):
 def width_variants(width):
     """The training steps at `width`: plain (twice: the second, "plain (A/A)", is the
     noise floor), and each idiom with each set of statistics."""
-    per_example = PerExample(width, jax.random.key(0))
+    per_example = per_example_mlp(width)
     x = inputs((libraries.S.mlp_batch, width))
     optimizer = optax.sgd(1e-3)
 
@@ -169,13 +162,7 @@ def rounds_until_stable(variants, rounds, seed=0):
     ratios = {name: [] for name in names if name != "plain"}
     settled = dict.fromkeys(ratios)
     for done in range(1, rounds.most + 1):
-        samples = {name: [] for name in names}
-        for _ in range(repetitions):
-            rng.shuffle(names)
-            for name in names:
-                begin = time.perf_counter()
-                jax.block_until_ready(calls[name]())
-                samples[name].append(time.perf_counter() - begin)
+        samples = round_robin(calls, names, rng, repetitions)
         for name in names:
             seconds[name].append(statistics.median(samples[name]))
         for name in ratios:
