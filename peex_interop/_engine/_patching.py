@@ -39,11 +39,11 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-def replacements_of(wanted: set[int]) -> set[int]:
-    """The ids of the live replacement functions whose original's id is in `wanted`."""
+def replacements_of(wanted: set[int]) -> list[Callable]:
+    """The live replacement functions whose original's id is in `wanted`."""
     with _lock:
         alive = list(_replacements.values())
-    return {id(replacement) for replacement in alive if id(unwrap(replacement)) in wanted}
+    return [replacement for replacement in alive if id(unwrap(replacement)) in wanted]
 
 
 def current(owner: Any, name: str) -> Any:
