@@ -218,7 +218,9 @@ def run(budget):
         steady[library, "train"] = medians
     print(f"[{time.perf_counter() - start:4.0f} s] statistics at three widths", file=sys.stderr)
     quick = budget is QUICK
-    widths, outputs = width_groups(QUICK_WIDTHS if quick else FULL_WIDTHS, QUICK_ROUNDS if quick else FULL_ROUNDS)
+    widths, outputs, kernels = width_groups(
+        QUICK_WIDTHS if quick else FULL_WIDTHS, QUICK_ROUNDS if quick else FULL_ROUNDS
+    )
     for width, by_variant in outputs.items():
         for variant, output in by_variant.items():
             if variant != "plain":
@@ -228,7 +230,7 @@ def run(budget):
     same = same_programs()
     first = first_calls(budget.first_call_reps, parallel=budget is QUICK)
     memory, unpooled = memory_rows()
-    return steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths, same
+    return steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths, kernels, same
 
 
 def port_section(quick, start, which=PORT_GROUPS):
@@ -275,7 +277,7 @@ def main():
         return
     budget = QUICK if args.quick else FULL
     use_sizes(QUICK_SIZES if args.quick else FULL_SIZES)
-    steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths, same = run(budget)
+    steady, diffs, sizes, flatten, first, memory, unpooled, reps, widths, kernels, same = run(budget)
     rows = []
     for library in LIBRARIES:
         for name in ("MLP", "transformer", "tiny"):
@@ -301,7 +303,7 @@ def main():
         "## Jaxprs\n\n`jax.make_jaxpr` of each jitted function (nested jit bodies inlined, "
         "control-flow bodies counted once; `eqx.filter_jit` adds one output, a marker).",
         jaxpr_table(sizes),
-        findings(rows, steady, sizes, flatten, first, memory, unpooled, widths),
+        findings(rows, steady, sizes, flatten, first, memory, unpooled, widths, kernels),
     ])
     print(text)
     if args.out:

@@ -2,7 +2,7 @@
 and memory rows show, each number computed from them."""
 
 from first_calls import COMPILE_DEPTHS
-from libraries import LIBRARIES
+from libraries import DEPTH, LIBRARIES
 from page import fmt, signed
 
 
@@ -49,9 +49,26 @@ def widths_finding(widths):
             "plain step): " + "; ".join(parts) + ".")
 
 
-def findings(rows, steady, sizes, flatten, first, memory, unpooled, widths):
+def kernels_finding(kernels):
+    """What the statistics add to the compiled step, kernel by kernel (`kernels_added`)."""
+    parts = []
+    for name, label in (("stats no hist", "mean/std/near-zero"), ("stats", "with the histogram")):
+        added = kernels[name]
+        listed = ", ".join(f"{kind} {count:+}" for kind, count in added.most_common())
+        parts.append(f"{label}: {sum(added.values()):+} ({sum(added.values()) / DEPTH:.1f} per layer): {listed}")
+    text = (f"- **Kernels the statistics add** to the compiled training step (width {kernels['width']}, your "
+            f"vmap, {DEPTH} layers; by who runs them and what they compute; XLA:CPU runs them one after "
+            "another, a `conditional` the kernels of its branch): " + "; ".join(parts) + ".")
+    if kernels["stats no hist"]["YNNPACK reduce"] >= 3 * DEPTH:
+        text += (" Each of a layer's three sums is a YNNPACK reduction of its own, which reads its input from "
+                 "memory: the elementwise work feeding them (the centred values, the near-zero test) is XLA "
+                 "kernels of their own first, which write the layer's values out.")
+    return text
+
+
+def findings(rows, steady, sizes, flatten, first, memory, unpooled, widths, kernels):
     """The findings: every number comes from this run (medians, jaxprs, flatten times,
-    first-call parts, memory, the statistics at three widths)."""
+    first-call parts, memory, the statistics at three widths and their kernels)."""
     missed = [r for r in rows if r.status not in ("ok", "report")]
     checked = [r for r in rows if r.target is not None]
     lines = ["## Findings", "", "Computed by `benchmarks/bench.py` from this run.", "",
@@ -88,6 +105,7 @@ def findings(rows, steady, sizes, flatten, first, memory, unpooled, widths):
         )
     lines.append("- **Statistics in the training step** (share of the plain step): " + "; ".join(parts) + ".")
     lines.append(widths_finding(widths))
+    lines.append(kernels_finding(kernels))
 
     fixed = [lib for lib, sizes_ in memory.items() if len(set(sizes_)) == 1]
     growing = [lib for lib, sizes_ in memory.items() if len(set(sizes_)) > 1]

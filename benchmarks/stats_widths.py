@@ -12,8 +12,10 @@ repetition in a shuffled order, and a variant's value in a round is its median t
 over the plain step's; rounds go on until every ratio's median has settled. Each row
 reports that median, the smallest and largest round, and the rounds it took."""
 
+import collections
 import dataclasses
 import random
+import re
 import statistics
 import time
 from functools import partial
@@ -205,14 +207,61 @@ def _row(label, model, ratio, target):
 
 
 def width_groups(widths, rounds):
-    """`{width: {variant: Ratio}}` and `{width: {variant: updated parameters}}` (each
-    variant's first call, to check the statistics leave the step unchanged)."""
-    measured, outputs = {}, {}
+    """`{width: {variant: Ratio}}`, `{width: {variant: updated parameters}}` (each
+    variant's first call, to check the statistics leave the step unchanged), and the
+    kernels your vmap's statistics add to the compiled step (`kernels_added`) at the
+    goal width (the widest, where it is not measured)."""
+    measured, outputs, kernels = {}, {}, {}
+    counted = GOAL_WIDTH if GOAL_WIDTH in widths else max(widths)
     for width in widths:
         variants = width_variants(width)
         outputs[width] = {name: v.output(jax.block_until_ready(v.call())) for name, v in variants.items()}
         measured[width] = rounds_until_stable(variants, rounds)
-    return measured, outputs
+        if width == counted:
+            kernels = {"width": width} | kernels_added(variants)
+    return measured, outputs, kernels
+
+
+def kernels_added(variants):
+    """`{statistics: Counter}`: the kernels of the compiled step with your vmap's
+    statistics less the plain step's, by who runs them and what they compute
+    (`compiled_kernels`)."""
+    plain = compiled_kernels(variants["plain"])
+    added = {}
+    for name in STATISTICS:
+        kernels = compiled_kernels(variants[f"your vmap, {name}"])
+        kernels.subtract(plain)
+        added[name] = collections.Counter({kind: n for kind, n in kernels.items() if n})
+    return added
+
+
+# What a fusion computes, by the first of these operations it holds, else its root's.
+MAIN_OPERATIONS = ("dot", "scatter", "reduce", "reduce-window")
+
+
+def compiled_kernels(variant):
+    """The kernels of a variant's compiled step: the entry computation's fusions, by who
+    runs them (XLA, or YNNPACK for the fusions XLA:CPU hands it) and what they compute
+    (`MAIN_OPERATIONS`: `YNNPACK reduce` is a reduction, `XLA convert` an elementwise
+    kernel ending in a conversion), and the operations outside any fusion."""
+    call = variant.call
+    text = call.func.lower(*call.args, **call.keywords).compile().compiled.as_text()
+    computations = dict(re.findall(r"^%([\w.\-]+) .*?\{\n((?:.*\n)*?)\}", text, re.M))
+    kernels = collections.Counter()
+    for line in text[text.index("\nENTRY"):].splitlines():
+        operation = re.search(r"= \S+ ([\w\-]+)\(", line)
+        if operation is None or operation.group(1) in ("parameter", "constant", "bitcast", "get-tuple-element",
+                                                        "tuple"):
+            continue
+        if operation.group(1) == "fusion":
+            body = computations.get(re.search(r"calls=%([\w.\-]+)", line).group(1), "")
+            held = set(re.findall(r"= \S+ ([\w\-]+)\(", body))
+            root = re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", body)
+            main = next((op for op in MAIN_OPERATIONS if op in held), root.group(1) if root else "fusion")
+            kernels[f"{'YNNPACK' if '__ynn_fusion' in line else 'XLA'} {main}"] += 1
+        else:
+            kernels[operation.group(1)] += 1
+    return kernels
 
 
 STATS_WIDTHS_TEXT = (
