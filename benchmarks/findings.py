@@ -61,8 +61,8 @@ def kernels_finding(kernels):
             "another, a `conditional` the kernels of its branch): " + "; ".join(parts) + ".")
     if kernels["stats no hist"]["YNNPACK reduce"] >= 3 * DEPTH:
         text += (" Each of a layer's three sums is a YNNPACK reduction of its own, which reads its input from "
-                 "memory: the elementwise work feeding them (the centred values, the near-zero test) is XLA "
-                 "kernels of their own first, which write the layer's values out.")
+                 "memory: the elementwise work feeding them (the centred values, the near-zero test) runs "
+                 "first as XLA kernels of its own, which write the layer's values out.")
     return text
 
 
