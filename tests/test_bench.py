@@ -41,8 +41,8 @@ def test_quick_bench_writes_the_page(tmp_path):
             for statistic in ("mean/std/near-zero", "activation_stats() with histogram"):
                 assert f"train step, {idiom}, {statistic} / plain" in labels, (model, idiom, statistic)
         assert all(re.match(r"rounds: min [\d.]+, max [\d.]+ over \d+", r[8]) for r in rows if r[2] == model)
-    # The kernels the statistics add, counted in the compiled steps: at least one
-    # reduction a layer, and more with the histogram than without.
+    # The kernels the statistics add, counted in the compiled steps: reductions among
+    # them, and more with the histogram than without.
     (kernels,) = [line for line in lines if line.startswith("- **Kernels the statistics add**")]
     added = [int(n) for n in re.findall(r": ([+-]\d+) \([\d.]+ per layer\)", kernels)]
     assert len(added) == 2 and 0 < added[0] < added[1], kernels
