@@ -59,7 +59,10 @@ def kernels_finding(kernels):
     text = (f"- **Kernels the statistics add** to the compiled training step (width {kernels['width']}, your "
             f"vmap, {DEPTH} layers; by who runs them and what they compute; XLA:CPU runs them one after "
             "another, a `conditional` the kernels of its branch): " + "; ".join(parts) + ".")
-    if kernels["stats no hist"]["YNNPACK reduce"] >= 3 * DEPTH:
+    # Said only where this run's kernels show it: three reductions a layer, each fed by
+    # XLA kernels of their own (the centred values, the near-zero test).
+    no_hist = kernels["stats no hist"]
+    if no_hist["YNNPACK reduce"] >= 3 * DEPTH and min(no_hist["XLA subtract"], no_hist["XLA convert"]) >= DEPTH:
         text += (" Each of a layer's three sums is a YNNPACK reduction of its own, which reads its input from "
                  "memory: the elementwise work feeding them (the centred values, the near-zero test) runs "
                  "first as XLA kernels of its own, which write the layer's values out.")

@@ -91,7 +91,7 @@ class _Wanted:
     identity (functions, jitted functions: ~4 ms a scan), by id otherwise (a builtin
     method's hash is its object's, which may raise)."""
 
-    def __init__(self, functions: Iterable[Callable]):
+    def __init__(self, functions: Sequence[Callable]):
         self.ids = {id(function) for function in functions}
         self.objects = {function for function in functions if _by_identity(type(function))}
         self.types = frozenset(type(function) for function in self.objects)
